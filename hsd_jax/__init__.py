@@ -1,0 +1,1 @@
+"""hsd-jax: Hidden-State Speculative Decoding in JAX/Flax."""
