@@ -1,0 +1,118 @@
+"""Validated, hashable configs. Hashable so they can be static arguments of `jax.jit`."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ROPE_TYPES = ("default", "linear", "llama3")
+ATTENTION_IMPLS = ("auto", "pallas", "reference")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling as in Hugging Face configs (`rope_scaling` / `rope_parameters`)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        _require(self.rope_type in ROPE_TYPES,
+                 f"unsupported rope scaling type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        _require(self.factor > 0, f"rope scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3":
+            _require(self.high_freq_factor > self.low_freq_factor,
+                     "llama3 rope scaling needs high_freq_factor > low_freq_factor")
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any] | None) -> "RopeScaling":
+        if not d:
+            return cls()
+        rope_type = d.get("rope_type", d.get("type", "default"))
+        kw = {k: d[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                "original_max_position_embeddings") if k in d}
+        return cls(rope_type=rope_type, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A LLaMA-family decoder (LLaMA, SmolLM, Qwen2, Mistral without sliding window)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    max_position_embeddings: int = 8192
+    feature_layers: tuple[int, ...] = ()
+    attention_impl: str = "auto"
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            _require(self.hidden_size % max(self.num_heads, 1) == 0,
+                     f"hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _require(int(getattr(self, name)) > 0, f"{name} must be a positive integer, got {getattr(self, name)}")
+        _require(self.num_heads % self.num_kv_heads == 0,
+                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        _require(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        _require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+        _require(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        _require(self.attention_impl in ATTENTION_IMPLS,
+                 f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+        for i in self.feature_layers:
+            _require(0 <= i < self.num_layers,
+                     f"feature layer {i} out of range for a model with {self.num_layers} layers")
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How a token is drawn from the target's logits. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _require(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,82 @@
+"""Turn per-layer Hugging Face tensors ([out, in] layout) into the stacked Flax param pytree."""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from hsd_jax.config import ModelConfig
+from hsd_jax.loading.errors import ModelLoadError
+
+# HF per-layer name -> (Flax path inside a layer, transpose)
+LAYER_TENSORS = {
+    "input_layernorm.weight": (("input_layernorm", "scale"), False),
+    "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False),
+    "self_attn.q_proj.weight": (("q_proj", "kernel"), True),
+    "self_attn.k_proj.weight": (("k_proj", "kernel"), True),
+    "self_attn.v_proj.weight": (("v_proj", "kernel"), True),
+    "self_attn.o_proj.weight": (("o_proj", "kernel"), True),
+    "self_attn.q_proj.bias": (("q_proj", "bias"), False),
+    "self_attn.k_proj.bias": (("k_proj", "bias"), False),
+    "self_attn.v_proj.bias": (("v_proj", "bias"), False),
+    "mlp.gate_proj.weight": (("mlp", "gate_proj", "kernel"), True),
+    "mlp.up_proj.weight": (("mlp", "up_proj", "kernel"), True),
+    "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True),
+    "mlp.gate_proj.bias": (("mlp", "gate_proj", "bias"), False),
+    "mlp.up_proj.bias": (("mlp", "up_proj", "bias"), False),
+    "mlp.down_proj.bias": (("mlp", "down_proj", "bias"), False),
+}
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF-layout shapes of every tensor the config implies, by HF name."""
+    d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * dh, cfg.num_kv_heads * dh
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+             "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+             "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+             "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+    if cfg.attention_bias:
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if cfg.mlp_bias:
+        layer.update({"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (d,)})
+    for i in range(cfg.num_layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    return shapes
+
+
+def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str) -> dict:
+    """Assemble params from `get(hf_name) -> array`, checking every shape against the config."""
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    shapes = expected_shapes(cfg)
+
+    def fetch(name):
+        arr = get(name)
+        if tuple(arr.shape) != shapes[name]:
+            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(arr.shape)}, "
+                                 f"but the config implies {shapes[name]}")
+        return arr
+
+    layers: dict = {}
+    per_layer = [k for k in LAYER_TENSORS if f"model.layers.0.{k}" in shapes]
+    for hf_name in per_layer:
+        path, transpose = LAYER_TENSORS[hf_name]
+        stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}") for i in range(cfg.num_layers)])
+        if transpose:
+            stacked = stacked.swapaxes(1, 2)
+        node = layers
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = jnp.asarray(stacked, dtype)
+    params = {
+        "embed_tokens": {"embedding": jnp.asarray(fetch("model.embed_tokens.weight"), dtype)},
+        "layers": layers,
+        "norm": {"scale": jnp.asarray(fetch("model.norm.weight"), dtype)},
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = {"kernel": jnp.asarray(fetch("lm_head.weight").T, dtype)}
+    return params

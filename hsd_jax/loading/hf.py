@@ -1,0 +1,104 @@
+"""Load a Hugging Face model directory (config.json + safetensors, single or sharded)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from hsd_jax.config import ConfigError, ModelConfig, RopeScaling
+from hsd_jax.loading.convert import build_params
+from hsd_jax.loading.errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"missing file: {path}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+
+
+def hf_config(d: dict, source: str, **overrides) -> ModelConfig:
+    """ModelConfig from a parsed HF config.json; refuses architectures we do not implement."""
+    mtype = d.get("model_type")
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"{source}: unsupported model_type {mtype!r}; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if mtype == "qwen2" and d.get("use_sliding_window"):
+        raise ModelLoadError(f"{source}: sliding-window attention is not supported")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+    eos = d.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    try:
+        return ModelConfig(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=d["num_attention_heads"],
+            num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim"),
+            rope_theta=float(theta),
+            rope_scaling=RopeScaling.from_hf(rope),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=True if mtype == "qwen2" else bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            max_position_embeddings=d.get("max_position_embeddings", 8192),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos,
+            **overrides,
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{source}: config.json lacks the field {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise ModelLoadError(f"{source}: {e}") from None
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """Map tensor name -> safetensors file, from the index or the single file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index} has no weight_map")
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        if any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path)):
+            raise ModelLoadError(f"{path}: only pickle weights found; hsd-jax loads safetensors "
+                                 "only (pickle files can run code). Convert with save_pretrained("
+                                 "..., safe_serialization=True)")
+        raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    from safetensors import safe_open
+
+    return {k: single for k in safe_open(single, framework="flax").keys()}
+
+
+def load_hf_dir(path: str, **overrides) -> tuple[ModelConfig, dict]:
+    """Config and params of a HF LLaMA/Qwen2/Mistral directory."""
+    from safetensors import safe_open
+
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model directory not found: {path}")
+    cfg = hf_config(_read_json(os.path.join(path, "config.json")), path, **overrides)
+    files = _tensor_files(path)
+    handles: dict = {}
+
+    def get(name: str) -> np.ndarray:
+        if name not in files:
+            raise ModelLoadError(f"{path}: tensor {name} is missing from the safetensors files")
+        fname = files[name]
+        if fname not in handles:
+            if not os.path.isfile(fname):
+                raise ModelLoadError(f"missing shard: {fname}")
+            handles[fname] = safe_open(fname, framework="flax")
+        return np.asarray(handles[fname].get_tensor(name).astype("float32"))
+
+    return cfg, build_params(cfg, get, path)

@@ -1,0 +1,154 @@
+"""LLaMA-family target model as pure functions over an explicit Flax (Linen) param pytree.
+
+One forward serves prefill (T tokens, causal), decode (1 token) and verify (N tree
+nodes at explicit positions with an ancestor mask). Layers are stacked along a
+leading axis and run with `lax.scan`. The forward writes the new K/V at slots
+lengths[b] + i of the cache and returns the pre-norm features of the last layer
+(what drafters read) plus the outputs of `cfg.feature_layers`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from hsd_jax.cache import KVCache, write_layer
+from hsd_jax.config import ModelConfig
+from hsd_jax.models.layers import RMSNorm, SwiGLU, apply_rope, jnp_dtype, rms_norm, rope_inv_freq
+from pallas_kernels.tree_attention import resolve_attention_impl, tree_attention
+
+
+class ForwardOutput(NamedTuple):
+    features: jax.Array        # [B, T, d] last decoder layer output, before the final norm
+    aux_features: jax.Array    # [n_feature_layers, B, T, d] (size 0 when none configured)
+    cache: KVCache             # entries written, lengths unchanged
+
+
+def causal_attention(q, k_cache, v_cache, lengths):
+    """Prefill attention: query t of sequence b sees cache slots <= lengths[b] + t.
+
+    q: [B, Hq, T, Dh]; k_cache, v_cache: [B, Hkv, S, Dh]. GQA by grouping, no K/V repeat.
+    """
+    b, hq, t, dh = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, t, dh).astype(jnp.float32)
+    scores = jnp.einsum("bhgtd,bhsd->bhgts", qg, k_cache.astype(jnp.float32)) / jnp.sqrt(dh).astype(jnp.float32)
+    limit = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    visible = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= limit[:, :, None]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhgts,bhsd->bhgtd", probs, v_cache.astype(jnp.float32))
+    return out.reshape(b, hq, t, dh).astype(q.dtype)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, cache_k, cache_v, layer, lengths, parents):
+        cfg = self.cfg
+        dt = jnp_dtype(cfg)
+        b, t, _ = x.shape
+        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=dt, param_dtype=dt, name=name)
+        h = RMSNorm(cfg.rms_norm_eps, dt, name="input_layernorm")(x)
+        q = dense(cfg.num_heads * cfg.head_dim, "q_proj", cfg.attention_bias)(h)
+        k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", cfg.attention_bias)(h)
+        v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", cfg.attention_bias)(h)
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
+        k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        cache_k = write_layer(cache_k, layer, k, lengths)
+        cache_v = write_layer(cache_v, layer, v, lengths)
+        k_l, v_l = cache_k[layer], cache_v[layer]
+        qh = q.transpose(0, 2, 1, 3)
+        if parents is None:
+            attn = causal_attention(qh, k_l, v_l, lengths)
+        else:
+            attn = tree_attention(qh, k_l, v_l, lengths, parents,
+                                  impl=resolve_attention_impl(cfg.attention_impl))
+        attn = attn.transpose(0, 2, 1, 3).reshape(b, t, cfg.num_heads * cfg.head_dim)
+        x = x + dense(cfg.hidden_size, "o_proj", False)(attn)
+        h = RMSNorm(cfg.rms_norm_eps, dt, name="post_attention_layernorm")(x)
+        x = x + SwiGLU(cfg.intermediate_size, cfg.mlp_bias, dt, name="mlp")(h)
+        return x, cache_k, cache_v
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, init_std: float = 0.02) -> dict:
+    """Random parameters (tests, drafters). Layer params are stacked on axis 0."""
+    dt = jnp_dtype(cfg)
+    k_emb, k_layers, k_head = jax.random.split(key, 3)
+    x = jnp.zeros((1, 1, cfg.hidden_size), dt)
+    pos = jnp.zeros((1, 1), jnp.int32)
+    cache = jnp.zeros((1, 1, cfg.num_kv_heads, 1, cfg.head_dim), dt)
+    lengths = jnp.zeros((1,), jnp.int32)
+    layer = DecoderLayer(cfg.replace(attention_impl="reference"))
+
+    def init_one(k):
+        return layer.init(k, x, pos, cache, cache, 0, lengths, None)["params"]
+
+    layers = jax.vmap(init_one)(jax.random.split(k_layers, cfg.num_layers))
+    normal = lambda k, shape: (init_std * jax.random.normal(k, shape)).astype(dt)
+    params = {
+        "embed_tokens": {"embedding": normal(k_emb, (cfg.vocab_size, cfg.hidden_size))},
+        "layers": layers,
+        "norm": {"scale": jnp.ones((cfg.hidden_size,), dt)},
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = {"kernel": normal(k_head, (cfg.hidden_size, cfg.vocab_size))}
+    return params
+
+
+def embed(params: dict, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            cache: KVCache, parents: jax.Array | None = None) -> ForwardOutput:
+    """Run the decoder over new tokens [B, T] at positions [B, T].
+
+    parents None: causal over the cache prefix and the new tokens (prefill, decode).
+    parents [B, T]: tree verification, each token sees the prefix and its ancestors.
+    """
+    layer = DecoderLayer(cfg)
+    x = embed(params, tokens)
+    feature_layers = jnp.asarray(cfg.feature_layers, jnp.int32)
+
+    def body(carry, inputs):
+        x, ck, cv = carry
+        p, idx = inputs
+        x, ck, cv = layer.apply({"params": p}, x, positions, ck, cv, idx, cache.lengths, parents)
+        return (x, ck, cv), (x if cfg.feature_layers else None)
+
+    (x, ck, cv), per_layer = jax.lax.scan(
+        body, (x, cache.k, cache.v), (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    aux = per_layer[feature_layers] if cfg.feature_layers else jnp.zeros((0,) + x.shape, x.dtype)
+    return ForwardOutput(x, aux, cache.replace(k=ck, v=cv))
+
+
+def final_norm(params: dict, cfg: ModelConfig, features: jax.Array) -> jax.Array:
+    return rms_norm(features, params["norm"]["scale"], cfg.rms_norm_eps)
+
+
+def lm_head_weight(params: dict, cfg: ModelConfig) -> jax.Array:
+    """[d, V]: the LM head (the transposed embedding when tied)."""
+    if cfg.tie_word_embeddings:
+        return params["embed_tokens"]["embedding"].T
+    return params["lm_head"]["kernel"]
+
+
+def logits_from_features(params: dict, cfg: ModelConfig, features: jax.Array) -> jax.Array:
+    """Next-token logits (f32) from pre-norm features [..., d]."""
+    h = final_norm(params, cfg, features)
+    return jnp.einsum("...d,dv->...v", h, lm_head_weight(params, cfg),
+                      preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward_logits(params, cfg, tokens, positions, cache, parents=None):
+    """Jitted forward returning (logits [B, T, V], ForwardOutput); for tests and tools."""
+    out = forward(params, cfg, tokens, positions, cache, parents)
+    return logits_from_features(params, cfg, out.features), out
