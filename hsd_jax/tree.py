@@ -1,0 +1,478 @@
+"""Static-shape draft trees for speculative decoding, jittable with static sizes.
+
+Conventions (the engine relies on these):
+
+* A tree has ``T`` slots (``T - 1`` draft nodes plus the root). Slot 0 is the
+  root: the last committed token x_p, not yet in the target KV cache, with
+  ``parents = -1``, ``depth = 0`` and ``score = 0``.
+* Draft nodes are slots ``1..T-1``; a parent always precedes its children
+  (``parents[i] < i``). Builders order slots by depth, then by score descending
+  within a depth (templates: by path within a depth, so siblings by rank).
+* Every array has a leading batch dim ``B``: each sequence owns its tree.
+* ``D`` is the static maximum depth: ``paths`` has ``D + 1`` columns.
+
+Structure (mask, depth, paths, child links) is derived from ``parents`` with
+dense compares and small matmuls instead of data-dependent gathers, so it maps
+to accelerator-friendly ops: the ancestor mask is the transitive closure of
+``I + onehot(parent)`` by repeated boolean squaring (``ceil(log2 D)`` matmuls).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+@struct.dataclass
+class Tree:
+    """A batch of draft trees (see module docstring for the slot conventions).
+
+    tokens:       int32 [B, T]; slot 0 holds the root token.
+    parents:      int32 [B, T]; -1 for the root.
+    depth:        int32 [B, T]; root 0.
+    scores:       float32 [B, T]; cumulative draft log-prob, root 0.
+    mask:         bool [B, T, T]; mask[b, i, j] iff j is an ancestor of i or j == i.
+    paths:        int32 [B, T, D+1]; root-to-node slots, padded with -1.
+    first_child:  int32 [B, T]; lowest-slot child (best-scoring), -1 if none.
+    next_sibling: int32 [B, T]; next child of the same parent in slot order, -1 if none.
+    """
+
+    tokens: jax.Array
+    parents: jax.Array
+    depth: jax.Array
+    scores: jax.Array
+    mask: jax.Array
+    paths: jax.Array
+    first_child: jax.Array
+    next_sibling: jax.Array
+
+    @property
+    def num_slots(self) -> int:
+        return self.tokens.shape[-1]
+
+    @property
+    def max_depth(self) -> int:
+        return self.paths.shape[-1] - 1
+
+
+def positions(tree: Tree, base: jax.Array) -> jax.Array:
+    """RoPE position ids [B, T]: ``base[:, None] + depth`` (base = committed length)."""
+    return (jnp.asarray(base, jnp.int32)[:, None] + tree.depth).astype(jnp.int32)
+
+
+def tree_depth_count(tree: Tree) -> jax.Array:
+    """Deepest draft level actually present per sequence, int32 [B]."""
+    return jnp.max(tree.depth, axis=-1)
+
+
+# ---------------------------------------------------------------------------
+# Structure from parents (jnp, no gathers)
+# ---------------------------------------------------------------------------
+
+
+def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
+    """Ancestor-or-self mask bool [B, T, T] by repeated squaring of I + onehot(parent).
+
+    After k squarings the matrix covers ancestor chains of length <= 2**k, so
+    ``ceil(log2(max_depth))`` squarings suffice for trees of depth <= max_depth.
+    """
+    num_slots = parents.shape[-1]
+    idx = jnp.arange(num_slots, dtype=jnp.int32)
+    step = (parents[..., :, None] == idx) | (idx[:, None] == idx)
+    m = step.astype(jnp.float32)
+    for _ in range(max(max_depth - 1, 0).bit_length()):
+        m = (jnp.matmul(m, m, precision=_HI) > 0).astype(jnp.float32)
+    return m > 0
+
+
+def _paths_from_mask(mask: jax.Array, depth: jax.Array, max_depth: int) -> jax.Array:
+    """paths[b, i, k] = the ancestor-or-self of i at depth k, else -1 (two matmuls)."""
+    num_slots = mask.shape[-1]
+    at_depth = (depth[..., :, None] == jnp.arange(max_depth + 1)).astype(jnp.float32)
+    slot_ids = jnp.arange(num_slots, dtype=jnp.float32)[:, None]
+    m = mask.astype(jnp.float32)
+    has = jnp.matmul(m, at_depth, precision=_HI)
+    which = jnp.matmul(m, at_depth * slot_ids, precision=_HI)
+    return jnp.where(has > 0.5, jnp.round(which).astype(jnp.int32), -1)
+
+
+def _min_slot(cond: jax.Array) -> jax.Array:
+    """Lowest j with cond[..., j] true, else -1."""
+    num_slots = cond.shape[-1]
+    first = jnp.min(jnp.where(cond, jnp.arange(num_slots, dtype=jnp.int32), num_slots), axis=-1)
+    return jnp.where(first == num_slots, -1, first).astype(jnp.int32)
+
+
+def child_links(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Left-child / right-sibling encoding (first_child, next_sibling), both int32 [B, T]."""
+    num_slots = parents.shape[-1]
+    idx = jnp.arange(num_slots, dtype=jnp.int32)
+    is_child = parents[..., None, :] == idx[:, None]
+    same_parent = (parents[..., :, None] == parents[..., None, :]) & (parents[..., :, None] >= 0)
+    later = idx[None, :] > idx[:, None]
+    return _min_slot(is_child), _min_slot(same_parent & later)
+
+
+def build_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array, max_depth: int) -> Tree:
+    """Assemble a Tree from slot-space ``tokens``, ``parents`` and ``scores`` ([B, T]).
+
+    Requires parents[:, 0] == -1, parents[:, i] < i and tree depth <= max_depth.
+    """
+    parents = parents.astype(jnp.int32)
+    mask = ancestor_mask(parents, max_depth)
+    depth = (jnp.sum(mask, axis=-1) - 1).astype(jnp.int32)
+    first_child, next_sibling = child_links(parents)
+    return Tree(
+        tokens=tokens.astype(jnp.int32),
+        parents=parents,
+        depth=depth,
+        scores=scores.astype(jnp.float32),
+        mask=mask,
+        paths=_paths_from_mask(mask, depth, max_depth),
+        first_child=first_child,
+        next_sibling=next_sibling,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Chain
+# ---------------------------------------------------------------------------
+
+
+def chain_tree(draft_tokens: jax.Array, root_tokens: jax.Array, draft_scores: jax.Array | None = None) -> Tree:
+    """A chain root -> d_1 -> ... -> d_D (T = D + 1).
+
+    draft_scores, if given, are cumulative draft log-probs [B, D]; default 0.
+    """
+    batch, depth = draft_tokens.shape
+    if draft_scores is None:
+        draft_scores = jnp.zeros((batch, depth), jnp.float32)
+    tokens = jnp.concatenate([jnp.asarray(root_tokens, jnp.int32)[:, None], draft_tokens.astype(jnp.int32)], axis=1)
+    scores = jnp.concatenate([jnp.zeros((batch, 1), jnp.float32), draft_scores.astype(jnp.float32)], axis=1)
+    parents = jnp.broadcast_to(jnp.arange(-1, depth, dtype=jnp.int32), (batch, depth + 1))
+    return build_tree(tokens, parents, scores, depth)
+
+
+# ---------------------------------------------------------------------------
+# Static template (Medusa / EAGLE-1)
+# ---------------------------------------------------------------------------
+
+
+class Template(NamedTuple):
+    """Static tree topology (numpy, shape [T] unless noted).
+
+    parents, depth, rank: rank r = the r-th best candidate under its parent.
+    num_ranks: R = 1 + max rank; max_depth: D.
+    mask [T, T], paths [T, D+1], first_child, next_sibling: precomputed structure.
+    """
+
+    parents: np.ndarray
+    depth: np.ndarray
+    rank: np.ndarray
+    num_ranks: int
+    max_depth: int
+    mask: np.ndarray
+    paths: np.ndarray
+    first_child: np.ndarray
+    next_sibling: np.ndarray
+
+
+def template_tree(paths: Sequence[Sequence[int]]) -> Template:
+    """Static topology from child-rank paths, e.g. [(0,), (1,), (0, 0), (0, 1)].
+
+    Slots are ordered by depth, then lexicographically by path (so siblings by
+    rank, best first). Every prefix of a path must itself be a path.
+    """
+    norm = [tuple(int(r) for r in p) for p in paths]
+    if not norm:
+        raise ValueError("template_tree: need at least one path")
+    if any(len(p) == 0 for p in norm):
+        raise ValueError("template_tree: the root is implicit; paths must be non-empty")
+    if any(r < 0 for p in norm for r in p):
+        raise ValueError("template_tree: ranks must be >= 0")
+    if len(set(norm)) != len(norm):
+        raise ValueError("template_tree: duplicate paths")
+    present = set(norm)
+    missing = sorted({p[:k] for p in norm for k in range(1, len(p))} - present)
+    if missing:
+        raise ValueError(f"template_tree: missing ancestor paths {missing}")
+    order = sorted(norm, key=lambda p: (len(p), p))
+    slot_of = {(): 0, **{p: i + 1 for i, p in enumerate(order)}}
+    parents = np.array([-1] + [slot_of[p[:-1]] for p in order], np.int32)
+    depth = np.array([0] + [len(p) for p in order], np.int32)
+    rank = np.array([0] + [p[-1] for p in order], np.int32)
+    ref = reference_structure(parents, int(depth.max()))
+    return Template(
+        parents=parents,
+        depth=depth,
+        rank=rank,
+        num_ranks=int(rank.max()) + 1,
+        max_depth=int(depth.max()),
+        mask=ref["mask"],
+        paths=ref["paths"],
+        first_child=ref["first_child"],
+        next_sibling=ref["next_sibling"],
+    )
+
+
+def fill_template(
+    template: Template, child_tokens: jax.Array, child_logp: jax.Array, root_tokens: jax.Array
+) -> Tree:
+    """Fill a template with drafted tokens.
+
+    child_tokens / child_logp [B, T, R]: for every slot i, the top-R next tokens
+    (best first) and their log-probs from slot i's draft distribution. Node i
+    takes entry ``rank[i]`` of its parent's row; rows of leaves are ignored.
+    Drafting depth by depth, rows of depth < j fully determine the tokens up to
+    depth j, so the engine may call this after each depth. Scores are cumulative.
+    """
+    num_slots = template.parents.shape[0]
+    if child_tokens.shape[1:] != (num_slots, template.num_ranks) or child_logp.shape != child_tokens.shape:
+        raise ValueError(
+            f"fill_template: expected child_tokens/child_logp [B, {num_slots}, {template.num_ranks}], "
+            f"got {child_tokens.shape} and {child_logp.shape}"
+        )
+    batch = child_tokens.shape[0]
+    src = np.maximum(template.parents, 0)
+    tokens = child_tokens[:, src, template.rank].astype(jnp.int32)
+    tokens = tokens.at[:, 0].set(jnp.asarray(root_tokens, jnp.int32))
+    node_logp = child_logp[:, src, template.rank].astype(jnp.float32).at[:, 0].set(0.0)
+    scores = jnp.matmul(node_logp[:, None, :], jnp.asarray(template.mask.T, jnp.float32), precision=_HI)[:, 0]
+
+    def bcast(a: np.ndarray) -> jax.Array:
+        return jnp.broadcast_to(jnp.asarray(a), (batch,) + a.shape)
+
+    return Tree(
+        tokens=tokens,
+        parents=bcast(template.parents),
+        depth=bcast(template.depth),
+        scores=scores,
+        mask=bcast(template.mask),
+        paths=bcast(template.paths),
+        first_child=bcast(template.first_child),
+        next_sibling=bcast(template.next_sibling),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Dynamic tree (EAGLE-2 style)
+# ---------------------------------------------------------------------------
+
+
+def expand_frontier(cand_tokens: jax.Array, cand_scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top-k of one depth's candidates by cumulative score (ties: lower index first).
+
+    Returns (frontier_idx, frontier_tokens, frontier_scores), each [B, k];
+    frontier_idx indexes the depth's candidate array.
+    """
+    if k > cand_scores.shape[-1]:
+        raise ValueError(f"expand_frontier: k={k} exceeds the {cand_scores.shape[-1]} candidates")
+    scores, idx = jax.lax.top_k(cand_scores, k)
+    return idx.astype(jnp.int32), jnp.take_along_axis(cand_tokens, idx, axis=-1), scores
+
+
+def child_candidates(
+    frontier_scores: jax.Array,
+    child_logp: jax.Array,
+    child_tokens: jax.Array,
+    frontier_idx: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Next depth's candidates from the frontier's top-k children.
+
+    frontier_scores [B, K]; child_logp, child_tokens [B, K, K2] (children of
+    each frontier node). Returns (cand_tokens, cand_scores, cand_parent), each
+    [B, K*K2], flattened frontier-major; cand_scores = parent score + child
+    log-prob. cand_parent is the frontier position of the parent, or, when
+    frontier_idx is given, ``frontier_idx`` at that position (an index into the
+    previous depth's candidate array, as ``dynamic_tree`` expects).
+    """
+    batch, k, k2 = child_logp.shape
+    scores = (frontier_scores[:, :, None] + child_logp).reshape(batch, k * k2)
+    parent = jnp.broadcast_to(jnp.repeat(jnp.arange(k, dtype=jnp.int32), k2), (batch, k * k2))
+    if frontier_idx is not None:
+        parent = jnp.take_along_axis(frontier_idx.astype(jnp.int32), parent, axis=-1)
+    return child_tokens.reshape(batch, k * k2).astype(jnp.int32), scores.astype(jnp.float32), parent
+
+
+def _check_depth_inputs(depth_tokens, depth_scores, depth_parents, num_nodes) -> None:
+    """Static shape validation for dynamic_tree (raises ValueError at trace time)."""
+    n_depths = len(depth_tokens)
+    if n_depths == 0 or len(depth_scores) != n_depths or len(depth_parents) != n_depths:
+        raise ValueError("dynamic_tree: need the same non-zero number of depths for tokens, scores and parents")
+    batch = depth_tokens[0].shape[0]
+    for j, (t, s, p) in enumerate(zip(depth_tokens, depth_scores, depth_parents)):
+        if t.ndim != 2 or t.shape != s.shape or t.shape != p.shape or t.shape[0] != batch:
+            raise ValueError(
+                f"dynamic_tree: depth {j + 1} tokens/scores/parents must share shape [B={batch}, C], "
+                f"got {t.shape}, {s.shape}, {p.shape}"
+            )
+    total = sum(t.shape[1] for t in depth_tokens)
+    if num_nodes < 1:
+        raise ValueError(f"dynamic_tree: num_nodes must be >= 1 (the root), got {num_nodes}")
+    if num_nodes - 1 > total:
+        raise ValueError(
+            f"dynamic_tree: num_nodes - 1 = {num_nodes - 1} draft nodes requested but only {total} candidates"
+        )
+
+
+def _path_min_scores(depth_scores: Sequence[jax.Array], depth_parents: Sequence[jax.Array]) -> list[jax.Array]:
+    """Running minimum of scores along each candidate's path (equals the score when log-probs <= 0)."""
+    out = [depth_scores[0].astype(jnp.float32)]
+    for s, p in zip(depth_scores[1:], depth_parents[1:]):
+        parent_score = jnp.take_along_axis(out[-1], jnp.clip(p, 0, out[-1].shape[-1] - 1), axis=-1)
+        out.append(jnp.minimum(s.astype(jnp.float32), parent_score))
+    return out
+
+
+def dynamic_tree(
+    depth_tokens: Sequence[jax.Array],
+    depth_scores: Sequence[jax.Array],
+    depth_parents: Sequence[jax.Array],
+    root_tokens: jax.Array,
+    num_nodes: int,
+) -> Tree:
+    """EAGLE-2 dynamic tree: keep the best ``num_nodes - 1`` candidates over all depths.
+
+    Inputs are static-length lists over depths 1..D of [B, C_j] arrays: tokens,
+    cumulative scores, and the parent's index into depth j-1's candidate array
+    (ignored at depth 1, whose parent is the root).
+
+    Selection is a global top-(T-1) on the key ``min(score along the path)``,
+    which equals the score when child log-probs are <= 0. The key never rises
+    from parent to child, and ``lax.top_k`` breaks ties by lower flat index;
+    candidates are flattened depth-major, so a parent precedes its descendants
+    and wins every tie: the kept set is always ancestor-closed. Kept nodes are
+    placed in slots by depth, then key descending (ties: lower flat index), and
+    their ``scores`` are the key.
+    """
+    _check_depth_inputs(depth_tokens, depth_scores, depth_parents, num_nodes)
+    n_depths = len(depth_tokens)
+    batch = depth_tokens[0].shape[0]
+    sizes = [t.shape[1] for t in depth_tokens]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+
+    keys = jnp.concatenate(_path_min_scores(depth_scores, depth_parents), axis=1)
+    flat_tokens = jnp.concatenate([t.astype(jnp.int32) for t in depth_tokens], axis=1)
+    flat_parent = jnp.concatenate(
+        [jnp.full((batch, sizes[0]), -1, jnp.int32)]
+        + [depth_parents[j].astype(jnp.int32) + offsets[j - 1] for j in range(1, n_depths)],
+        axis=1,
+    )
+    flat_depth = jnp.asarray(np.repeat(np.arange(1, n_depths + 1, dtype=np.int32), sizes))
+
+    n_draft = num_nodes - 1
+    sel_scores, sel = jax.lax.top_k(keys, n_draft)
+    sel = sel.astype(jnp.int32)
+    order = jnp.argsort(flat_depth[sel], axis=-1, stable=True)
+    sel = jnp.take_along_axis(sel, order, axis=-1)
+    sel_scores = jnp.take_along_axis(sel_scores, order, axis=-1)
+
+    parent_flat = jnp.take_along_axis(flat_parent, sel, axis=-1)
+    match = parent_flat[:, :, None] == sel[:, None, :]
+    parent_slot = jnp.sum(jnp.where(match, jnp.arange(1, n_draft + 1, dtype=jnp.int32), 0), axis=-1)
+
+    tokens = jnp.concatenate(
+        [jnp.asarray(root_tokens, jnp.int32)[:, None], jnp.take_along_axis(flat_tokens, sel, axis=-1)], axis=1
+    )
+    parents = jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), parent_slot], axis=1)
+    scores = jnp.concatenate([jnp.zeros((batch, 1), jnp.float32), sel_scores], axis=1)
+    return build_tree(tokens, parents, scores, n_depths)
+
+
+# ---------------------------------------------------------------------------
+# Walks
+# ---------------------------------------------------------------------------
+
+
+def greedy_walk(tree: Tree, target_tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Greedy acceptance: from the root, follow the child whose token is the target's argmax.
+
+    target_tokens[b, i] is the target's argmax token after slot i. Among
+    siblings with equal tokens the lowest slot (the best-scoring, first in the
+    first_child/next_sibling order) wins. Each of the D levels is one
+    vectorized compare over all slots (children of ``cur`` are exactly the
+    slots with ``parents == cur``), inside a ``fori_loop`` with static trip count.
+
+    Returns num_accepted int32 [B] (0..D), path int32 [B, D+1] (visited slots
+    from 0, padded -1) and last_slot int32 [B] (its target token is the bonus
+    or correction token).
+    """
+    batch, _ = tree.tokens.shape
+    max_depth = tree.max_depth
+    target_tokens = target_tokens.astype(jnp.int32)
+
+    def level(k, state):
+        cur, alive, path = state
+        want = jnp.take_along_axis(target_tokens, cur[:, None], axis=-1)
+        hit = (tree.parents == cur[:, None]) & (tree.tokens == want)
+        nxt = _min_slot(hit)
+        alive = alive & (nxt >= 0)
+        cur = jnp.where(alive, nxt, cur)
+        path = path.at[:, k + 1].set(jnp.where(alive, cur, -1))
+        return cur, alive, path
+
+    cur = jnp.zeros((batch,), jnp.int32)
+    path = jnp.full((batch, max_depth + 1), -1, jnp.int32).at[:, 0].set(0)
+    cur, _, path = jax.lax.fori_loop(0, max_depth, level, (cur, jnp.ones((batch,), bool), path))
+    num_accepted = jnp.sum(path >= 0, axis=-1).astype(jnp.int32) - 1
+    return num_accepted, path, cur
+
+
+# ---------------------------------------------------------------------------
+# Reference structure and validation (numpy; tests and debugging)
+# ---------------------------------------------------------------------------
+
+
+def reference_structure(parents: np.ndarray, max_depth: int) -> dict[str, np.ndarray]:
+    """Naive numpy walk over one tree's parents [T]: depth, mask, paths, child links."""
+    parents = np.asarray(parents)
+    num_slots = parents.shape[0]
+    depth = np.zeros(num_slots, np.int32)
+    mask = np.zeros((num_slots, num_slots), bool)
+    paths = np.full((num_slots, max_depth + 1), -1, np.int32)
+    first_child = np.full(num_slots, -1, np.int32)
+    next_sibling = np.full(num_slots, -1, np.int32)
+    for i in range(num_slots):
+        chain = [i]
+        while parents[chain[-1]] >= 0:
+            chain.append(int(parents[chain[-1]]))
+        depth[i] = len(chain) - 1
+        mask[i, chain] = True
+        paths[i, : len(chain)] = chain[::-1]
+    for i in range(num_slots):
+        kids = [j for j in range(num_slots) if parents[j] == i]
+        if kids:
+            first_child[i] = kids[0]
+        for a, b in zip(kids, kids[1:]):
+            next_sibling[a] = b
+    return dict(depth=depth, mask=mask, paths=paths, first_child=first_child, next_sibling=next_sibling)
+
+
+def check_tree(tree: Tree, score_order: bool = True) -> None:
+    """Assert every Tree invariant (numpy); score_order also checks score-descending slots per depth."""
+    t = jax.tree.map(np.asarray, tree)
+    batch, num_slots = t.tokens.shape
+    max_depth = t.paths.shape[-1] - 1
+    assert t.parents.shape == t.depth.shape == t.scores.shape == t.first_child.shape == (batch, num_slots)
+    assert t.mask.shape == (batch, num_slots, num_slots) and t.mask.dtype == bool
+    assert t.paths.shape == (batch, num_slots, max_depth + 1)
+    for b in range(batch):
+        par, dep = t.parents[b], t.depth[b]
+        assert par[0] == -1 and dep[0] == 0 and t.scores[b, 0] == 0, "bad root"
+        for i in range(1, num_slots):
+            assert 0 <= par[i] < i, f"slot {i}: parent {par[i]} must precede it"
+            assert dep[i] == dep[par[i]] + 1, f"slot {i}: depth {dep[i]} != parent depth + 1"
+        assert np.all(np.diff(dep) >= 0), "slots not sorted by depth"
+        assert dep.max() <= max_depth, "depth exceeds paths width"
+        if score_order:
+            same = dep[1:] == dep[:-1]
+            assert np.all(t.scores[b, 1:][same] <= t.scores[b, :-1][same]), "scores not descending within a depth"
+        ref = reference_structure(par, max_depth)
+        for name in ("depth", "mask", "paths", "first_child", "next_sibling"):
+            np.testing.assert_array_equal(getattr(t, name)[b], ref[name], err_msg=f"{name} (batch {b})")

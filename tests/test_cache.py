@@ -1,0 +1,56 @@
+"""KV cache: per-sequence writes, commits and compaction of accepted tree paths."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hsd_jax.cache import advance, compact, init_cache, write_layer
+
+
+def _filled(b=2, s=12, layers=2, h=1, d=1):
+    c = init_cache(layers, b, h, s, d)
+    vals = jnp.arange(layers * b * h * s * d, dtype=jnp.float32).reshape(c.k.shape)
+    return c.replace(k=vals, v=-vals)
+
+
+def test_write_layer_uses_each_sequence_length():
+    c = init_cache(2, 2, 1, 8, 1).replace(lengths=jnp.array([1, 5], jnp.int32))
+    new = jnp.array([[7.0, 8.0], [9.0, 10.0]])[:, :, None, None]
+    k = write_layer(c.k, 1, new, c.lengths)
+    assert k[1, 0, 0, 1:3, 0].tolist() == [7.0, 8.0]
+    assert k[1, 1, 0, 5:7, 0].tolist() == [9.0, 10.0]
+    assert float(jnp.abs(k[0]).sum()) == 0.0
+    assert float(jnp.abs(k[1]).sum()) == 34.0
+
+
+def test_write_past_capacity_is_dropped_not_clamped():
+    c = init_cache(1, 1, 1, 4, 1).replace(lengths=jnp.array([3], jnp.int32))
+    new = jnp.array([[1.0, 2.0]])[:, :, None, None]
+    k = write_layer(c.k, 0, new, c.lengths)
+    assert k[0, 0, 0, :, 0].tolist() == [0.0, 0.0, 0.0, 1.0]
+
+
+def test_advance_commits_counts():
+    c = advance(init_cache(1, 3, 1, 8, 1), jnp.array([0, 2, 5]))
+    assert c.lengths.tolist() == [0, 2, 5]
+
+
+def test_compact_moves_accepted_path_after_prefix():
+    c = _filled().replace(lengths=jnp.array([2, 4], jnp.int32))
+    before = np.asarray(c.k)
+    src = jnp.array([[0, 2, 5, 0], [0, 1, 3, 6]], jnp.int32)
+    counts = jnp.array([3, 4], jnp.int32)
+    out = jax.jit(compact)(c, src, counts)
+    assert out.lengths.tolist() == [5, 8]
+    k = np.asarray(out.k)
+    for b, (base, n) in enumerate([(2, 3), (4, 4)]):
+        for j in range(n):
+            np.testing.assert_array_equal(k[:, b, :, base + j], before[:, b, :, base + int(src[b, j])])
+        np.testing.assert_array_equal(k[:, b, :, :base], before[:, b, :, :base])
+    np.testing.assert_array_equal(np.asarray(out.v), -k)
+
+
+def test_compact_with_zero_count_changes_nothing():
+    c = _filled().replace(lengths=jnp.array([3, 0], jnp.int32))
+    out = compact(c, jnp.array([[4, 5], [1, 2]], jnp.int32), jnp.array([0, 0], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(out.k), np.asarray(c.k))
+    assert out.lengths.tolist() == [3, 0]

@@ -1,0 +1,417 @@
+"""Tests for hsd_jax.tree: builders produce valid trees, selection and walks match brute force."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hsd_jax import tree as tr
+
+SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
+
+jit_dynamic = jax.jit(tr.dynamic_tree, static_argnums=(4,))
+jit_chain = jax.jit(tr.chain_tree)
+jit_build = jax.jit(tr.build_tree, static_argnums=(3,))
+jit_walk = jax.jit(tr.greedy_walk)
+jit_expand = jax.jit(tr.expand_frontier, static_argnums=(2,))
+jit_children = jax.jit(tr.child_candidates)
+
+
+# ---------------------------------------------------------------------------
+# Generators and brute-force references (numpy)
+# ---------------------------------------------------------------------------
+
+
+def child_logp(rng, shape, mode):
+    """Child log-probs: continuous, tie-heavy (including exact 0), or sometimes positive."""
+    if mode == "ties":
+        return rng.choice(np.array([0.0, -0.5, -1.0], np.float32), size=shape)
+    if mode == "nonmonotone":
+        return rng.normal(size=shape).astype(np.float32)
+    return -rng.exponential(size=shape).astype(np.float32)
+
+
+def eagle2_inputs(rng, batch, k, n_depths, mode="cont", vocab=None):
+    """Per-depth candidate arrays as an EAGLE-2 engine drafts them (numpy frontier selection).
+
+    Tokens are unique per candidate (flat id + 10) unless a small vocab is given.
+    """
+    toks, scores, parents = [], [], []
+    offset = 0
+    for j in range(n_depths):
+        c = k if j == 0 else k * k
+        if j == 0:
+            s = child_logp(rng, (batch, k), mode)
+            p = np.full((batch, k), -1, np.int32)
+        else:
+            front = np.argsort(-scores[-1], axis=1, kind="stable")[:, :k]
+            p = np.repeat(front, k, axis=1).astype(np.int32)
+            s = np.take_along_axis(scores[-1], p, axis=1) + child_logp(rng, (batch, c), mode)
+        if vocab is None:
+            t = np.broadcast_to(np.arange(offset, offset + c) + 10, (batch, c)).astype(np.int32)
+        else:
+            t = rng.integers(0, vocab, size=(batch, c)).astype(np.int32)
+        toks.append(t), scores.append(s.astype(np.float32)), parents.append(p)
+        offset += c
+    return toks, scores, parents
+
+
+def flat_view(scores, parents):
+    """Flattened path-min keys and global parent ids (-1 = root) for brute-force selection."""
+    keys, gpar, offset = [], [], 0
+    for j, (s, p) in enumerate(zip(scores, parents)):
+        if j == 0:
+            keys.append(s.copy()), gpar.append(np.full_like(p, -1))
+        else:
+            keys.append(np.minimum(s, np.take_along_axis(keys[-1], p, axis=1)))
+            gpar.append(p + offset)
+            offset += scores[j - 1].shape[1]
+    return np.concatenate(keys, 1), np.concatenate(gpar, 1)
+
+
+def brute_walk(parents, tokens, target):
+    """Greedy walk over explicit child lists of one tree."""
+    cur, path = 0, [0]
+    while True:
+        kids = [j for j in range(len(parents)) if parents[j] == cur and tokens[j] == target[cur]]
+        if not kids:
+            return path
+        cur = kids[0]
+        path.append(cur)
+
+
+def random_targets(rng, tree, vocab, p_match=0.85):
+    """Target argmax tokens that follow some child of each slot with probability p_match."""
+    toks, par = np.asarray(tree.tokens), np.asarray(tree.parents)
+    batch, num_slots = toks.shape
+    out = rng.integers(0, vocab, size=(batch, num_slots)).astype(np.int32)
+    for b in range(batch):
+        for i in range(num_slots):
+            kids = np.flatnonzero(par[b] == i)
+            if kids.size and rng.random() < p_match:
+                out[b, i] = toks[b, rng.choice(kids)]
+    return out
+
+
+def check_walk(tree, target):
+    n, path, last = (np.asarray(x) for x in jit_walk(tree, jnp.asarray(target)))
+    par, toks = np.asarray(tree.parents), np.asarray(tree.tokens)
+    for b in range(par.shape[0]):
+        ref = brute_walk(par[b], toks[b], target[b])
+        assert n[b] == len(ref) - 1 and last[b] == ref[-1]
+        np.testing.assert_array_equal(path[b], ref + [-1] * (path.shape[1] - len(ref)))
+    return n
+
+
+# ---------------------------------------------------------------------------
+# Structure primitives and chain
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_slots", [1, 2, 3, 5, 9, 10, 17])
+def test_chain_tree_is_chain_and_mask_closure_at_depth_boundary(num_slots):
+    # Chains are the deepest trees: they exercise the squaring count at every 2**k boundary.
+    rng = np.random.default_rng(num_slots)
+    d = num_slots - 1
+    draft = jnp.asarray(rng.integers(0, 100, (2, d)), jnp.int32)
+    cum = jnp.asarray(np.cumsum(-rng.exponential(size=(2, d)), axis=1), jnp.float32)
+    for fn in (tr.chain_tree, jit_chain) if num_slots == 5 else (jit_chain,):
+        t = fn(draft, jnp.array([7, 8]), cum)
+        tr.check_tree(t)
+        np.testing.assert_array_equal(t.parents[0], np.arange(-1, d))
+        np.testing.assert_array_equal(t.depth[1], np.arange(num_slots))
+        np.testing.assert_array_equal(t.mask[0], np.tril(np.ones((num_slots, num_slots), bool)))
+        np.testing.assert_array_equal(t.tokens[:, 0], [7, 8])
+        np.testing.assert_array_equal(t.tokens[:, 1:], draft)
+        np.testing.assert_allclose(t.scores[:, 1:], cum)
+    assert tr.chain_tree(draft, jnp.array([1, 2])).scores.sum() == 0
+
+
+def test_chain_walk_accepts_prefix():
+    t = tr.chain_tree(jnp.array([[5, 6, 7, 8]]), jnp.array([4]))
+    n, path, last = tr.greedy_walk(t, jnp.array([[5, 6, 9, 8, 1]]))
+    assert int(n[0]) == 2 and int(last[0]) == 2
+    np.testing.assert_array_equal(path[0], [0, 1, 2, -1, -1])
+    n, _, last = tr.greedy_walk(t, jnp.array([[5, 6, 7, 8, 1]]))
+    assert int(n[0]) == 4 and int(last[0]) == 4
+
+
+def test_positions_and_depth_count():
+    t = tr.chain_tree(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32))
+    np.testing.assert_array_equal(tr.positions(t, jnp.array([10, 20])), [[10, 11, 12, 13], [20, 21, 22, 23]])
+    np.testing.assert_array_equal(tr.tree_depth_count(t), [3, 3])
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), num_slots=st.sampled_from([1, 2, 6, 13]))
+def test_build_tree_random_parents_matches_reference(seed, num_slots):
+    rng = np.random.default_rng(seed)
+    par = np.array([[-1] + [rng.integers(0, i) for i in range(1, num_slots)] for _ in range(2)], np.int32)
+    d = num_slots - 1
+    t = jit_build(jnp.zeros((2, num_slots)), jnp.asarray(par), jnp.zeros((2, num_slots)), d)
+    for b in range(2):
+        ref = tr.reference_structure(par[b], d)
+        for name in ("depth", "mask", "paths", "first_child", "next_sibling"):
+            np.testing.assert_array_equal(getattr(t, name)[b], ref[name], err_msg=name)
+
+
+# ---------------------------------------------------------------------------
+# Dynamic tree
+# ---------------------------------------------------------------------------
+
+SHAPES = [(1, 1, 3), (2, 2, 3), (2, 3, 2), (1, 3, 4), (3, 2, 4), (2, 4, 3)]  # (B, K, D)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    shape=st.sampled_from(SHAPES),
+    frac=st.sampled_from([0.3, 1.0]),
+    mode=st.sampled_from(["cont", "ties", "nonmonotone"]),
+)
+def test_dynamic_tree_keeps_best_and_is_valid(seed, shape, frac, mode):
+    batch, k, n_depths = shape
+    rng = np.random.default_rng(seed)
+    toks, scores, parents = eagle2_inputs(rng, batch, k, n_depths, mode)
+    total = k + (n_depths - 1) * k * k
+    num_slots = 1 + round(frac * total)
+    root = rng.integers(0, 5, batch).astype(np.int32)
+    t = jit_dynamic(toks, scores, parents, root, num_slots)
+    tr.check_tree(t)
+    assert t.paths.shape == (batch, num_slots, n_depths + 1)
+
+    keys, gpar = flat_view(scores, parents)
+    flat_tok = np.concatenate(toks, 1)
+    tokens, par, sc = np.asarray(t.tokens), np.asarray(t.parents), np.asarray(t.scores)
+    np.testing.assert_array_equal(tokens[:, 0], root)
+    for b in range(batch):
+        want = np.argsort(-keys[b], kind="stable")[: num_slots - 1]
+        got = tokens[b, 1:] - 10
+        assert set(got.tolist()) == set(want.tolist())
+        np.testing.assert_array_equal(sc[b, 1:], keys[b, got])
+        for i in range(1, num_slots):
+            fp = gpar[b, got[i - 1]]
+            assert (par[b, i] == 0) if fp < 0 else (tokens[b, par[b, i]] == flat_tok[b, fp])
+        if mode != "nonmonotone":
+            flat_s = np.concatenate(scores, 1)[b]
+            np.testing.assert_array_equal(sc[b, 1:], flat_s[got])
+
+
+def test_dynamic_tree_parent_wins_exact_ties():
+    # All child log-probs 0: every candidate ties with its parent; the tree must stay closed.
+    toks = [jnp.array([[1, 2]]), jnp.array([[3, 4, 5, 6]]), jnp.array([[7, 8, 9, 10]])]
+    scores = [jnp.zeros((1, 2)), jnp.zeros((1, 4)), jnp.zeros((1, 4))]
+    parents = [jnp.full((1, 2), -1), jnp.array([[0, 0, 1, 1]]), jnp.array([[0, 0, 1, 1]])]
+    for n in (2, 4, 7, 11):
+        t = jit_dynamic(toks, scores, parents, jnp.array([0]), n)
+        tr.check_tree(t)
+        np.testing.assert_array_equal(t.tokens[0], np.arange(n))
+
+
+def test_dynamic_tree_slot_order_and_links():
+    # depth1: a(-1) b(-2); depth2 children of a: c(-1.5) d(-3); of b: e(-2.5) f(-9)
+    toks = [jnp.array([[1, 2]]), jnp.array([[3, 4, 5, 6]])]
+    scores = [jnp.array([[-1.0, -2.0]]), jnp.array([[-1.5, -3.0, -2.5, -9.0]])]
+    parents = [jnp.array([[-1, -1]]), jnp.array([[0, 0, 1, 1]])]
+    t = tr.dynamic_tree(toks, scores, parents, jnp.array([0]), 6)
+    tr.check_tree(t)
+    np.testing.assert_array_equal(t.tokens[0], [0, 1, 2, 3, 5, 4])
+    np.testing.assert_array_equal(t.parents[0], [-1, 0, 0, 1, 2, 1])
+    np.testing.assert_array_equal(t.first_child[0], [1, 3, 4, -1, -1, -1])
+    np.testing.assert_array_equal(t.next_sibling[0], [-1, 2, -1, 5, -1, -1])
+    np.testing.assert_array_equal(t.paths[0, 4], [0, 2, 4])
+
+
+def test_expand_frontier_and_child_candidates_match_numpy():
+    rng = np.random.default_rng(0)
+    cand_s = rng.choice([-1.0, -2.0, -3.0], size=(3, 9)).astype(np.float32)
+    cand_t = rng.integers(0, 50, (3, 9)).astype(np.int32)
+    for fn in (tr.expand_frontier, jit_expand):
+        idx, ft, fs = fn(jnp.asarray(cand_t), jnp.asarray(cand_s), 3)
+        want = np.argsort(-cand_s, axis=1, kind="stable")[:, :3]
+        np.testing.assert_array_equal(idx, want)
+        np.testing.assert_array_equal(ft, np.take_along_axis(cand_t, want, 1))
+        np.testing.assert_array_equal(fs, np.take_along_axis(cand_s, want, 1))
+    lp = -rng.exponential(size=(3, 3, 2)).astype(np.float32)
+    ct = rng.integers(0, 50, (3, 3, 2)).astype(np.int32)
+    for fn in (tr.child_candidates, jit_children):
+        tok, sc, par = fn(fs, jnp.asarray(lp), jnp.asarray(ct))
+        np.testing.assert_array_equal(par, np.broadcast_to([0, 0, 1, 1, 2, 2], (3, 6)))
+        np.testing.assert_array_equal(tok, ct.reshape(3, 6))
+        np.testing.assert_allclose(sc, (np.asarray(fs)[:, :, None] + lp).reshape(3, 6), rtol=1e-6)
+        _, _, par = fn(fs, jnp.asarray(lp), jnp.asarray(ct), idx)
+        np.testing.assert_array_equal(par, np.repeat(want, 2, axis=1))
+
+
+@pytest.mark.parametrize("k,n_depths,num_slots", [(2, 3, 7), (3, 4, 16)])
+def test_eagle2_drafting_loop_end_to_end(k, n_depths, num_slots):
+    """Draft depth by depth with expand_frontier/child_candidates under jit, then build and walk."""
+    vocab = 6
+
+    @partial(jax.jit, static_argnums=(1,))
+    def draft(key, num_nodes):
+        keys = jax.random.split(key, n_depths + 1)
+        root = jax.random.randint(keys[0], (2,), 0, vocab)
+
+        def topk_children(kk, shape):
+            logp = jax.nn.log_softmax(jax.random.normal(kk, shape + (vocab,)), axis=-1)
+            return jax.lax.top_k(logp, k)
+
+        lp, tk = topk_children(keys[1], (2,))
+        toks, scores, parents = [tk], [lp], [jnp.full((2, k), -1, jnp.int32)]
+        for j in range(1, n_depths):
+            idx, _, fs = tr.expand_frontier(toks[-1], scores[-1], k)
+            lp, tk = topk_children(keys[j + 1], (2, k))
+            t, s, p = tr.child_candidates(fs, lp, tk, idx)
+            toks.append(t), scores.append(s), parents.append(p)
+        return tr.dynamic_tree(toks, scores, parents, root, num_nodes)
+
+    rng = np.random.default_rng(k)
+    for seed in range(3):
+        t = draft(jax.random.PRNGKey(seed), num_slots)
+        tr.check_tree(t)
+        check_walk(t, random_targets(rng, t, vocab))
+
+
+def test_dynamic_tree_errors():
+    toks = [jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 4), jnp.int32)]
+    scores = [jnp.zeros((1, 2)), jnp.zeros((1, 4))]
+    parents = [jnp.full((1, 2), -1), jnp.zeros((1, 4), jnp.int32)]
+    root = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="only 6 candidates"):
+        tr.dynamic_tree(toks, scores, parents, root, 8)
+    with pytest.raises(ValueError, match="only 6 candidates"):
+        jit_dynamic(toks, scores, parents, root, 8)
+    with pytest.raises(ValueError, match="num_nodes must be >= 1"):
+        tr.dynamic_tree(toks, scores, parents, root, 0)
+    with pytest.raises(ValueError, match="share shape"):
+        tr.dynamic_tree(toks, [scores[0], jnp.zeros((1, 3))], parents, root, 3)
+    with pytest.raises(ValueError, match="number of depths"):
+        tr.dynamic_tree(toks, scores[:1], parents, root, 3)
+    with pytest.raises(ValueError, match="number of depths"):
+        tr.dynamic_tree([], [], [], root, 1)
+    with pytest.raises(ValueError, match="exceeds"):
+        tr.expand_frontier(toks[0], scores[0], 3)
+
+
+# ---------------------------------------------------------------------------
+# Templates
+# ---------------------------------------------------------------------------
+
+
+@st.composite
+def template_paths(draw):
+    n = draw(st.integers(1, 10))
+    paths, kids = [()], {(): 0}
+    for _ in range(n):
+        parent = paths[draw(st.integers(0, len(paths) - 1))]
+        child = parent + (kids[parent],)
+        kids[parent] += 1
+        kids[child] = 0
+        paths.append(child)
+    out = paths[1:]
+    return draw(st.permutations(out))
+
+
+@SETTINGS
+@given(paths=template_paths(), seed=st.integers(0, 2**31 - 1))
+def test_template_tree_fill_matches_paths(paths, seed):
+    tpl = tr.template_tree(paths)
+    num_slots = len(paths) + 1
+    assert tpl.parents.shape == (num_slots,) and tpl.max_depth == max(len(p) for p in paths)
+    rng = np.random.default_rng(seed)
+    ct = rng.integers(0, 1000, (2, num_slots, tpl.num_ranks)).astype(np.int32)
+    lp = -rng.exponential(size=(2, num_slots, tpl.num_ranks)).astype(np.float32)
+    t = tr.fill_template(tpl, jnp.asarray(ct), jnp.asarray(lp), jnp.array([3, 4]))
+    tr.check_tree(t, score_order=False)
+    np.testing.assert_array_equal(t.tokens[:, 0], [3, 4])
+    # Reconstruct each slot's rank path and check tokens and cumulative scores along it.
+    par, rank = tpl.parents, tpl.rank
+    slot_paths = {0: ()}
+    for i in range(1, num_slots):
+        slot_paths[i] = slot_paths[par[i]] + (int(rank[i]),)
+        assert np.asarray(t.tokens)[:, i].tolist() == ct[:, par[i], rank[i]].tolist()
+        np.testing.assert_allclose(t.scores[:, i], t.scores[:, par[i]] + lp[:, par[i], rank[i]], rtol=1e-5)
+        if i > 1 and tpl.depth[i] == tpl.depth[i - 1]:
+            assert slot_paths[i - 1] < slot_paths[i]
+    assert sorted(slot_paths.values())[1:] == sorted(paths)
+    check_walk(t, random_targets(rng, t, 1000))
+
+
+def test_template_errors():
+    for bad, msg in [
+        ([], "at least one"),
+        ([()], "non-empty"),
+        ([(0,), (0,)], "duplicate"),
+        ([(0,), (0, -1)], ">= 0"),
+        ([(0,), (1, 0)], r"missing ancestor paths \[\(1,\)\]"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            tr.template_tree(bad)
+    tpl = tr.template_tree([(0,), (1,), (0, 0)])
+    with pytest.raises(ValueError, match="expected child_tokens"):
+        tr.fill_template(tpl, jnp.zeros((1, 4, 3), jnp.int32), jnp.zeros((1, 4, 3)), jnp.zeros((1,), jnp.int32))
+
+
+# ---------------------------------------------------------------------------
+# Greedy walk
+# ---------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    shape=st.sampled_from(SHAPES),
+    frac=st.sampled_from([0.3, 1.0]),
+    vocab=st.sampled_from([2, 4]),
+)
+def test_greedy_walk_matches_brute_force(seed, shape, frac, vocab):
+    batch, k, n_depths = shape
+    rng = np.random.default_rng(seed)
+    toks, scores, parents = eagle2_inputs(rng, batch, k, n_depths, "ties", vocab=vocab)
+    num_slots = 1 + round(frac * (k + (n_depths - 1) * k * k))
+    t = jit_dynamic(toks, scores, parents, rng.integers(0, vocab, batch).astype(np.int32), num_slots)
+    n = check_walk(t, random_targets(rng, t, vocab))
+    assert np.all((n >= 0) & (n <= n_depths))
+
+
+def test_check_tree_rejects_broken_trees():
+    t = tr.chain_tree(jnp.array([[5, 6, 7]]), jnp.array([4]))
+    with pytest.raises(AssertionError):
+        tr.check_tree(t.replace(parents=jnp.array([[-1, 0, 3, 2]])))
+    with pytest.raises(AssertionError):
+        tr.check_tree(t.replace(mask=jnp.ones_like(t.mask)))
+    with pytest.raises(AssertionError):
+        tr.check_tree(t.replace(next_sibling=jnp.array([[-1, 2, -1, -1]])))
+
+
+def test_eager_matches_jit_and_single_slot_trees():
+    """Eager and jitted builders and walks agree; T = 1 (root only) works."""
+    rng = np.random.default_rng(1)
+    toks, scores, parents = eagle2_inputs(rng, 2, 2, 3, "ties", vocab=3)
+    root = np.array([0, 1], np.int32)
+    for num_slots in (1, 7):
+        t = tr.dynamic_tree(toks, scores, parents, root, num_slots)
+        t_jit = jit_dynamic(toks, scores, parents, root, num_slots)
+        tr.check_tree(t)
+        for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(t_jit)):
+            np.testing.assert_array_equal(a, b)
+        target = jnp.asarray(random_targets(rng, t, 3))
+        for a, b in zip(tr.greedy_walk(t, target), jit_walk(t, target)):
+            np.testing.assert_array_equal(a, b)
+    root_only = jit_dynamic(toks, scores, parents, root, 1)
+    n, path, last = jit_walk(root_only, jnp.zeros((2, 1), jnp.int32))
+    np.testing.assert_array_equal(n, [0, 0]), np.testing.assert_array_equal(last, [0, 0])
+    np.testing.assert_array_equal(path, [[0, -1, -1, -1]] * 2)
+    tpl = tr.template_tree([(0,), (1,), (0, 0)])
+    ct, lp = jnp.arange(2 * 4 * 2).reshape(2, 4, 2), -jnp.ones((2, 4, 2))
+    t = tr.fill_template(tpl, ct, lp, root)
+    t_jit = jax.jit(partial(tr.fill_template, tpl))(ct, lp, root)
+    for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(t_jit)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(t.tokens[0], [0, 0, 1, 2])
+    np.testing.assert_array_equal(t.scores[0], [0, -1, -1, -2])
