@@ -131,6 +131,85 @@ def compiled(fn, args, static: dict):
     return exe, time.perf_counter() - t0
 
 
+def _drafter_paths(path: str) -> tuple[str, str, str]:
+    return os.path.join(path, "drafter.json"), os.path.join(path, "d2t.npy"), os.path.join(path, "params")
+
+
+def save_drafter(drafter, path: str) -> None:
+    """Write a drafter as drafter.json (kind, config) + d2t.npy + an Orbax params checkpoint."""
+    import json
+
+    import orbax.checkpoint as ocp
+
+    os.makedirs(path, exist_ok=True)
+    meta, d2t_path, params_path = _drafter_paths(path)
+    cfg = dataclasses.asdict(drafter.config)
+    cfg.pop("rope_scaling", None)
+    with open(meta, "w") as f:
+        json.dump({"kind": drafter.kind, "config": cfg}, f, indent=1)
+    np.save(d2t_path, np.asarray(drafter.d2t if drafter.d2t is not None else [], np.int32))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.abspath(params_path), drafter.params, force=True)
+
+
+def load_drafter(kind: str, path: str | None = None, *, target: Target, random_init: bool = False,
+                 seed: int = 0, **config) -> "Drafter":
+    """A drafter for `target`: `hsd`, `eagle` (feature drafters) or `sd` (a small draft LM).
+
+    From `path` (a directory written by `save_drafter`), or random weights when asked with
+    `random_init=True` (for tests and engine checks; acceptance will be low).
+    """
+    import json
+
+    from hsd_jax.models import llama
+    from hsd_jax.models.drafter import Drafter, DrafterConfig, init_drafter_params
+
+    if kind not in ("hsd", "eagle", "sd"):
+        raise ConfigError(f"drafter kind must be hsd, eagle or sd, got {kind!r}")
+    if path is None and not random_init:
+        raise ModelLoadError(f"no {kind} drafter given and none is shipped yet: pass path=... "
+                             "(a trained drafter directory) or random_init=True")
+    tcfg = target.config
+    if path is not None:
+        import orbax.checkpoint as ocp
+
+        meta, d2t_path, params_path = _drafter_paths(path)
+        if not os.path.isfile(meta):
+            raise ModelLoadError(f"not a drafter directory (no drafter.json): {path}")
+        with open(meta) as f:
+            info = json.load(f)
+        if info.get("kind") != kind:
+            raise ModelLoadError(f"{path} holds a {info.get('kind')!r} drafter, not {kind!r}")
+        raw = dict(info["config"], **config)
+        try:
+            cfg = ModelConfig(**raw) if kind == "sd" else DrafterConfig(**raw)
+        except TypeError as e:
+            raise ModelLoadError(f"{meta}: {e}") from None
+        d2t = np.load(d2t_path, allow_pickle=False) if os.path.isfile(d2t_path) else None
+        with ocp.StandardCheckpointer() as ckpt:
+            params = ckpt.restore(os.path.abspath(params_path))
+    elif kind == "sd":
+        defaults = dict(vocab_size=tcfg.vocab_size, hidden_size=max(tcfg.hidden_size // 2, 16),
+                        intermediate_size=max(tcfg.intermediate_size // 2, 32), num_layers=2,
+                        num_heads=max(tcfg.num_kv_heads, 1), num_kv_heads=max(tcfg.num_kv_heads, 1),
+                        tie_word_embeddings=True, rope_theta=tcfg.rope_theta, dtype=tcfg.dtype,
+                        eos_token_ids=tcfg.eos_token_ids)
+        cfg = ModelConfig(**dict(defaults, **config))
+        params, d2t = llama.init_params(cfg, jax.random.key(seed)), None
+    else:
+        cfg = DrafterConfig.for_target(kind, tcfg, **config)
+        params = init_drafter_params(cfg, jax.random.key(seed))
+        d2t = np.arange(cfg.vd, dtype=np.int32)
+    if kind == "sd":
+        if cfg.vocab_size != tcfg.vocab_size:
+            raise ConfigError(f"draft LM vocab {cfg.vocab_size} does not match the target's {tcfg.vocab_size}")
+    else:
+        cfg.check_target(tcfg)
+        if d2t is None or len(d2t) != cfg.vd or (len(d2t) and (d2t.min() < 0 or d2t.max() >= tcfg.vocab_size)):
+            raise ModelLoadError(f"drafter draft-vocab map must hold {cfg.vd} target ids")
+    return Drafter(kind, params, cfg, d2t, path)
+
+
 def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False, method: str = "ar",
              drafter=None, **options) -> list[GenerationResult]:
@@ -140,20 +219,43 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
+    if method not in engine.METHODS:
+        raise InputError(f"unknown method {method!r}; available: {', '.join(engine.METHODS)}")
+    spec = None
     if method != "ar":
-        raise InputError(f"unknown method {method!r}; available: ar")
-    if options:
-        raise InputError(f"unknown options for method {method!r}: {', '.join(sorted(options))}")
+        if drafter is None:
+            raise InputError(f"method {method!r} needs a drafter: hsd_jax.load_drafter({method!r}, ...)")
+        if drafter.kind != method:
+            raise InputError(f"method {method!r} needs a {method!r} drafter, got a {drafter.kind!r} one")
+        known = {f.name for f in dataclasses.fields(engine.SpecConfig)} - {"method"}
+        unknown = set(options) - known
+        if unknown:
+            raise InputError(f"unknown options for method {method!r}: {', '.join(sorted(unknown))}")
+        spec = engine.SpecConfig(method=method, **options)
+    elif options:
+        raise InputError(f"unknown options for method 'ar': {', '.join(sorted(options))}")
     ids = encode_prompts(target, prompts, chat)
     longest = max(len(p) for p in ids)
-    if longest + max_new_tokens > target.max_cache_len:
-        raise InputError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the "
-                         f"cache capacity max_cache_len={target.max_cache_len}")
+    slack = 0 if spec is None else spec.slots + spec.depth + 1
+    if longest + max_new_tokens + slack > target.max_cache_len:
+        raise InputError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens}"
+                         + (f" + draft tree {slack}" if slack else "")
+                         + f" exceeds the cache capacity max_cache_len={target.max_cache_len}")
     tokens, lengths = pad_prompts(ids)
-    capacity = min(round_up(tokens.shape[1] + max_new_tokens, 128), round_up(target.max_cache_len, 16))
-    args = (target.params, tokens, lengths, jax.random.key(seed))
-    static = dict(cfg=target.config, sampling=sampling, max_new_tokens=int(max_new_tokens), capacity=capacity)
-    run, compile_s = compiled(engine.ar_generate, args, static)
+    capacity = min(round_up(tokens.shape[1] + max_new_tokens + slack, 128), round_up(target.max_cache_len, 16))
+    key = jax.random.key(seed)
+    if spec is None:
+        fn, args = engine.ar_generate, (target.params, tokens, lengths, key)
+        static = dict(cfg=target.config, sampling=sampling, max_new_tokens=int(max_new_tokens), capacity=capacity)
+    else:
+        tcfg = target.config
+        if method == "hsd" and drafter.config.feature_layers:
+            tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
+        d2t = np.zeros((1,), np.int32) if drafter.d2t is None else drafter.d2t
+        fn, args = engine.spec_generate, (target.params, drafter.params, d2t, tokens, lengths, key)
+        static = dict(tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling,
+                      max_new_tokens=int(max_new_tokens), capacity=capacity)
+    run, compile_s = compiled(fn, args, static)
     t0 = time.perf_counter()
     out = jax.device_get(run(*args))
     elapsed = time.perf_counter() - t0
@@ -161,10 +263,17 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
     for i in range(len(ids)):
         n = int(out.num_tokens[i])
         new = [int(t) for t in out.tokens[i, :n]]
-        forwards = int(out.target_forwards[i])
-        stats = {"method": method, "new_tokens": n, "prompt_tokens": len(ids[i]), "target_forwards": forwards,
-                 "tau": n / max(forwards, 1), "drafter_forwards": 0, "accepted_hist": [forwards],
-                 "seconds": elapsed, "compile_seconds": compile_s, "tokens_per_s": n / elapsed if elapsed > 0 else 0.0}
+        if spec is None:
+            rounds, hist, dsteps = n - 1, [n - 1], 0
+        else:
+            rounds, hist = int(out.stats.rounds[i]), [int(h) for h in out.stats.accepted_hist[i]]
+            dsteps = int(out.stats.drafter_steps[i])
+        stats = {"method": method, "new_tokens": n, "prompt_tokens": len(ids[i]), "target_forwards": rounds + 1,
+                 "rounds": rounds, "tau": (n - 1) / rounds if rounds else 1.0, "drafter_forwards": dsteps,
+                 "accepted_hist": hist, "seconds": elapsed, "compile_seconds": compile_s,
+                 "tokens_per_s": n / elapsed if elapsed > 0 else 0.0}
+        if spec is not None:
+            stats.update(reuse=spec.reuse, tree_nodes=spec.tree_nodes, tree_depth=spec.depth, top_k=spec.top_k)
         text = target.decode(new) if target.tokenizer is not None else ""
         results.append(GenerationResult(new, text, stats))
     return results

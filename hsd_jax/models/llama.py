@@ -113,8 +113,13 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     parents None: causal over the cache prefix and the new tokens (prefill, decode).
     parents [B, T]: tree verification, each token sees the prefix and its ancestors.
     """
+    return forward_embeddings(params, cfg, embed(params, tokens), positions, cache, parents)
+
+
+def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
+                       cache: KVCache, parents: jax.Array | None = None) -> ForwardOutput:
+    """`forward` from input vectors x [B, T, d] instead of token ids (drafters feed features)."""
     layer = DecoderLayer(cfg)
-    x = embed(params, tokens)
     feature_layers = jnp.asarray(cfg.feature_layers, jnp.int32)
 
     def body(carry, inputs):

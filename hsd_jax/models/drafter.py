@@ -1,0 +1,190 @@
+"""Feature drafters: HSD (token-free hidden-state chain, late token injection) and EAGLE-style.
+
+Both are one (or a few) LLaMA decoder layers over feature vectors, with their own KV
+cache, reading tokens out through the target's frozen final norm and LM head restricted
+to a reduced draft vocabulary (`d2t` maps draft ids to target ids).
+
+- HSD: z_p = f_p (true target features) or g_p (its own predictions); the layer maps
+  z_{<=p} to g_{p+1}. No token enters the recurrence. Tokens enter only in the read-out
+  `inject`: logits(x_{q+1}) = Head(I(g_q, x_q)), `fused` (MLP over [rms g; rms e(x)],
+  zero-init output scaled by the feature RMS) or `additive` (g + s * rms(e(x)) W).
+- EAGLE: z_q = FC([f_q; c * rms e(x_{q+1})]); the layer predicts f_{q+1}; read-out `plain`
+  Head(norm g) or the same `fused` MLP as HSD, so the comparison is fair.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hsd_jax.config import ConfigError, ModelConfig
+from hsd_jax.models import llama
+from hsd_jax.models.layers import rms_norm
+
+KINDS = ("hsd", "eagle")
+INJECTIONS = ("fused", "additive")
+READOUTS = ("plain", "fused")
+
+
+def _require(cond, msg):
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A feature drafter for a given target width. Hashable: a static jit argument."""
+
+    kind: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    num_layers: int = 1
+    vocab_size: int = 0            # the target's vocab
+    draft_vocab_size: int = 0      # 0 = full vocab
+    injection: str = "fused"       # hsd
+    readout: str = "fused"         # eagle: plain or fused
+    inj_hidden: int = 0            # fused MLP width (0 = 2 * hidden)
+    feature_layers: tuple[int, ...] = ()   # target layers fused into the input (EAGLE-3 style)
+    feature_rms: float = 1.0       # scale c of injected terms (the target features' RMS)
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        _require(self.kind in KINDS, f"drafter kind must be one of {KINDS}, got {self.kind!r}")
+        _require(self.injection in INJECTIONS, f"injection must be one of {INJECTIONS}, got {self.injection!r}")
+        _require(self.readout in READOUTS, f"readout must be one of {READOUTS}, got {self.readout!r}")
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "num_layers", "vocab_size"):
+            _require(getattr(self, name) > 0, f"drafter {name} must be positive, got {getattr(self, name)}")
+        _require(0 <= self.draft_vocab_size <= self.vocab_size,
+                 f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}], got {self.draft_vocab_size}")
+        _require(self.feature_rms > 0, "feature_rms must be > 0")
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+        _require(self.kind == "hsd" or not self.feature_layers, "feature_layers fusion is implemented for hsd only")
+
+    @property
+    def vd(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.inj_hidden or 2 * self.hidden_size
+
+    @property
+    def uses_fused_readout(self) -> bool:
+        return self.injection == "fused" if self.kind == "hsd" else self.readout == "fused"
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, rope_theta=self.rope_theta,
+                           rms_norm_eps=self.rms_norm_eps, attention_impl="reference", tie_word_embeddings=True)
+
+    def check_target(self, target_cfg: ModelConfig) -> None:
+        """Refuse a drafter that does not fit the target, naming the mismatch."""
+        _require(self.hidden_size == target_cfg.hidden_size,
+                 f"drafter hidden size {self.hidden_size} does not match the target's {target_cfg.hidden_size}")
+        _require(self.vocab_size == target_cfg.vocab_size,
+                 f"drafter vocab {self.vocab_size} does not match the target's {target_cfg.vocab_size}")
+        for i in self.feature_layers:
+            _require(0 <= i < target_cfg.num_layers,
+                     f"drafter feature layer {i} does not exist in a target with {target_cfg.num_layers} layers")
+
+    @classmethod
+    def for_target(cls, kind: str, target_cfg: ModelConfig, **kw) -> "DrafterConfig":
+        """A one-layer drafter shaped like one of the target's layers."""
+        base = dict(hidden_size=target_cfg.hidden_size, num_heads=target_cfg.num_heads,
+                    num_kv_heads=target_cfg.num_kv_heads, intermediate_size=target_cfg.intermediate_size,
+                    vocab_size=target_cfg.vocab_size, rope_theta=target_cfg.rope_theta,
+                    rms_norm_eps=target_cfg.rms_norm_eps)
+        base.update(kw)
+        return cls(kind=kind, **base)
+
+
+class TargetView(NamedTuple):
+    """The frozen pieces of the target a drafter reads, built once per generate call."""
+
+    head: jax.Array        # [d, V_d] LM head columns of the draft vocabulary
+    norm_scale: jax.Array  # [d] final norm
+    embedding: jax.Array   # [V, d] token embeddings
+    d2t: jax.Array         # [V_d] draft id -> target id
+
+
+def target_view(target_params, target_cfg: ModelConfig, d2t) -> TargetView:
+    head = llama.lm_head_weight(target_params, target_cfg)
+    d2t = jnp.asarray(d2t, jnp.int32)
+    return TargetView(jnp.take(head, d2t, axis=1), target_params["norm"]["scale"],
+                      target_params["embed_tokens"]["embedding"], d2t)
+
+
+def _unit_rms(x):
+    """x scaled to unit RMS (no learned scale): puts features (~30) and embeddings (~0.1) on par."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)
+
+
+def init_drafter_params(cfg: DrafterConfig, key: jax.Array) -> dict:
+    k_layer, k_fc, k_inj = jax.random.split(key, 3)
+    d = cfg.hidden_size
+    params: dict = {"layers": llama.init_params(cfg.layer_config(), k_layer)["layers"]}
+    n_in = d * max(len(cfg.feature_layers), 1)
+    if cfg.kind == "eagle" or cfg.feature_layers:
+        n_fc = n_in + (d if cfg.kind == "eagle" else 0)
+        eye = jnp.zeros((n_fc, d)).at[n_in - d: n_in].set(jnp.eye(d))
+        params["fc"] = {"kernel": eye + 0.01 * jax.random.normal(k_fc, (n_fc, d))}
+    if cfg.uses_fused_readout:
+        h = cfg.mlp_hidden
+        params["inject"] = {"w1": 0.02 * jax.random.normal(k_inj, (2 * d, h)), "b1": jnp.zeros((h,)),
+                            "w2": jnp.zeros((h, d))}
+    elif cfg.kind == "hsd":
+        params["inject"] = {"w": jnp.zeros((d, d))}
+    return params
+
+
+def readout(params: dict, cfg: DrafterConfig, view: TargetView, g: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Draft-vocab logits [..., V_d] for the token after `tokens`, from drafter features g [..., d]."""
+    e = _unit_rms(jnp.take(view.embedding, tokens, axis=0))
+    gf = g.astype(jnp.float32)
+    if cfg.uses_fused_readout:
+        p = params["inject"]
+        hid = jax.nn.silu(jnp.concatenate([_unit_rms(gf), e], -1) @ p["w1"] + p["b1"])
+        gf = gf + cfg.feature_rms * (hid @ p["w2"])
+    elif cfg.kind == "hsd":
+        gf = gf + cfg.feature_rms * (e @ params["inject"]["w"])
+    h = rms_norm(gf, view.norm_scale, cfg.rms_norm_eps)
+    return jnp.einsum("...d,dv->...v", h, view.head.astype(jnp.float32))
+
+
+def input_features(params: dict, cfg: DrafterConfig, last: jax.Array, aux: jax.Array | None) -> jax.Array:
+    """HSD z for true target features: the last layer's, or FC over the configured layers [..., d]."""
+    if not cfg.feature_layers:
+        return last
+    return jnp.concatenate(list(aux), -1) @ params["fc"]["kernel"]
+
+
+def eagle_inputs(params: dict, cfg: DrafterConfig, view: TargetView, feats: jax.Array,
+                 next_tokens: jax.Array) -> jax.Array:
+    """EAGLE z_q = FC([f_q; c * rms e(x_{q+1})])."""
+    e = cfg.feature_rms * _unit_rms(jnp.take(view.embedding, next_tokens, axis=0))
+    return jnp.concatenate([feats.astype(jnp.float32), e], -1) @ params["fc"]["kernel"]
+
+
+def run_layers(params: dict, cfg: DrafterConfig, z, positions, cache, parents=None):
+    """The drafter's decoder layer(s) over inputs z [B, T, d]; returns (outputs [B, T, d], cache)."""
+    out = llama.forward_embeddings(params, cfg.layer_config(), z, positions, cache, parents)
+    return out.features, out.cache
+
+
+@dataclasses.dataclass
+class Drafter:
+    """A loaded drafter: params pytree, config and draft-vocab map (or an SD draft LM)."""
+
+    kind: str
+    params: Any
+    config: Any
+    d2t: np.ndarray | None = None
+    path: str | None = None
