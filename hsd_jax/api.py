@@ -273,7 +273,7 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
                  "accepted_hist": hist, "seconds": elapsed, "compile_seconds": compile_s,
                  "tokens_per_s": n / elapsed if elapsed > 0 else 0.0}
         if spec is not None:
-            stats.update(reuse=spec.reuse, tree_nodes=spec.tree_nodes, tree_depth=spec.depth, top_k=spec.top_k)
+            stats.update(reuse=spec.reuse, tree_nodes=spec.tree_nodes, tree_depth=spec.depth, tree_top_k=spec.tree_top_k)
         text = target.decode(new) if target.tokenizer is not None else ""
         results.append(GenerationResult(new, text, stats))
     return results

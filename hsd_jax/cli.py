@@ -18,13 +18,22 @@ def _add_generate(sub):
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-cache-len", type=int, default=2048)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--attention-impl", choices=["auto", "pallas", "reference"], default="auto")
-    p.add_argument("--method", default="ar", help="decoding method")
+    p.add_argument("--method", default="ar", choices=["ar", "sd", "eagle", "hsd"], help="decoding method")
+    p.add_argument("--reuse", default="chain", choices=["none", "chain", "refresh"],
+                   help="hsd: what to keep of the drafter's hidden-state chain after a rejection")
+    p.add_argument("--drafter", default=None, help="drafter directory (written by hsd_jax.save_drafter)")
+    p.add_argument("--random-drafter", action="store_true",
+                   help="use an untrained random drafter (engine checks only: acceptance is low)")
+    p.add_argument("--tree-nodes", type=int, default=10, help="draft nodes per round (root excluded)")
+    p.add_argument("--tree-depth", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=4, help="tree branching: children per expanded node")
+    p.add_argument("--gamma", type=int, default=4, help="sd: draft chain length")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(func=cmd_generate)
 
@@ -40,16 +49,29 @@ def _check_generate_args(a):
         raise UsageError(f"--max-cache-len must be >= 1, got {a.max_cache_len}")
     if a.model != "smollm2-135m" and not os.path.exists(a.model):
         raise UsageError(f"unknown model {a.model!r}: use smollm2-135m, a .gguf file or a model directory")
+    for name in ("tree_nodes", "tree_depth", "top_k", "gamma"):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.drafter is not None and not os.path.isdir(a.drafter):
+        raise UsageError(f"drafter directory not found: {a.drafter}")
 
 
 def cmd_generate(a) -> int:
     _check_generate_args(a)
-    from hsd_jax.api import generate, load_target
+    from hsd_jax.api import generate, load_drafter, load_target
 
     target = load_target(a.model, dtype=a.dtype, max_cache_len=a.max_cache_len,
                          attention_impl=a.attention_impl)
+    drafter, options = None, {}
+    if a.method != "ar":
+        drafter = load_drafter(a.method, a.drafter, target=target, random_init=a.random_drafter)
+        options = (dict(gamma=a.gamma) if a.method == "sd" else
+                   dict(tree_nodes=a.tree_nodes, tree_depth=a.tree_depth, tree_top_k=a.top_k))
+        if a.method == "hsd":
+            options["reuse"] = a.reuse
     res = generate(target, [a.prompt], max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                   top_k=a.top_k, top_p=a.top_p, seed=a.seed, chat=a.chat, method=a.method)[0]
+                   top_k=a.sampling_top_k, top_p=a.top_p, seed=a.seed, chat=a.chat, method=a.method,
+                   drafter=drafter, **options)[0]
     if a.json:
         s = res.stats
         print(json.dumps({"text": res.text, "new_tokens": s["new_tokens"], "token_ids": res.token_ids,

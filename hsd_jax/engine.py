@@ -104,7 +104,7 @@ class SpecConfig:
     reuse: str = "chain"
     tree_nodes: int = 10
     tree_depth: int = 4
-    top_k: int = 4
+    tree_top_k: int = 4
     gamma: int = 4
 
     def __post_init__(self):
@@ -114,14 +114,14 @@ class SpecConfig:
             raise ConfigError(f"speculative method must be one of {METHODS[1:]}, got {self.method!r}")
         if self.reuse not in REUSE_POLICIES:
             raise ConfigError(f"reuse must be one of {REUSE_POLICIES}, got {self.reuse!r}")
-        for name in ("tree_nodes", "tree_depth", "top_k", "gamma"):
+        for name in ("tree_nodes", "tree_depth", "tree_top_k", "gamma"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.method != "sd":
-            most = self.top_k + (self.tree_depth - 1) * self.top_k ** 2
+            most = self.tree_top_k + (self.tree_depth - 1) * self.tree_top_k ** 2
             if self.tree_nodes > most:
                 raise ConfigError(f"tree_nodes {self.tree_nodes} exceeds the {most} candidates that depth "
-                                  f"{self.tree_depth} and top_k {self.top_k} produce")
+                                  f"{self.tree_depth} and tree_top_k {self.tree_top_k} produce")
             if self.tree_nodes < self.tree_depth:
                 raise ConfigError(f"tree_nodes {self.tree_nodes} cannot reach depth {self.tree_depth}")
 
@@ -194,7 +194,7 @@ def hsd_chain_extend(dparams, dcfg, cache: KVCache, chain, start):
 def hsd_draft(dparams, dcfg, view, chain, root_tokens, spec: SpecConfig) -> Tree:
     """Grow a dynamic tree from the stored chain g_p..g_{p+D-1}: depth j+1 reads g_{p+j} with
     each frontier token injected; one batched read-out per depth."""
-    k = spec.top_k
+    k = spec.tree_top_k
     toks, scores = _topk_draft(drafter.readout(dparams, dcfg, view, chain[:, 0], root_tokens), view, k)
     depth_tokens, depth_scores, depth_parents = [toks], [scores], [jnp.full_like(toks, -1)]
     for j in range(1, spec.tree_depth):
@@ -212,7 +212,7 @@ def eagle_draft(dparams, dcfg, view, cache: KVCache, root_g, root_tokens, spec: 
     The drafter sees the frontier nodes of all depths so far as one tree (its own tree
     attention); a one-layer drafter's K/V depend only on each input, so recomputing them per
     depth is exact. Returns (tree, drafter steps)."""
-    b, k = root_tokens.shape[0], spec.top_k
+    b, k = root_tokens.shape[0], spec.tree_top_k
     toks, scores = _topk_draft(drafter.readout(dparams, dcfg, view, root_g, root_tokens), view, k)
     depth_tokens, depth_scores, depth_parents = [toks], [scores], [jnp.full_like(toks, -1)]
     cand_parent_f = jnp.full_like(toks, -1)

@@ -1,0 +1,174 @@
+"""Speculative engine on a tiny random target: losslessness, bookkeeping, batching, reuse, errors."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hsd_jax import generate, load_drafter
+from hsd_jax.api import InputError
+from hsd_jax.config import ConfigError
+from hsd_jax.models.drafter import Drafter
+from tests.helpers import jax_logits, tiny_target
+
+METHODS = [("hsd", dict(reuse="none")), ("hsd", dict(reuse="chain")), ("hsd", dict(reuse="refresh")),
+           ("eagle", {}), ("sd", {})]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_target(vocab=64)
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny):
+    return {k: load_drafter(k, target=tiny, random_init=True, seed=1) for k in ("hsd", "eagle", "sd")}
+
+
+@pytest.mark.parametrize("method, opts", METHODS)
+def test_greedy_equals_ar_on_random_prompts(tiny, drafters, method, opts):
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 64, size=n).tolist() for n in (1, 6, 13, 21)]
+    ref = [r.token_ids for r in generate(tiny, prompts, max_new_tokens=30)]
+    shapes = [dict(tree_nodes=6, tree_depth=3, tree_top_k=2), dict(tree_nodes=12, tree_depth=5, tree_top_k=3)]
+    if method == "sd":
+        shapes = [dict(gamma=2), dict(gamma=5)]
+    for shape in shapes:
+        res = generate(tiny, prompts, max_new_tokens=30, method=method, drafter=drafters[method], **opts, **shape)
+        assert [r.token_ids for r in res] == ref
+        for r in res:
+            assert r.stats["rounds"] + 1 == r.stats["target_forwards"]
+            assert sum(r.stats["accepted_hist"]) == r.stats["rounds"]
+
+
+@pytest.mark.parametrize("method, opts", METHODS)
+def test_batch_equals_one_by_one(tiny, drafters, method, opts):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 64, size=n).tolist() for n in (4, 19, 9)]
+    batched = generate(tiny, prompts, max_new_tokens=20, method=method, drafter=drafters[method], **opts)
+    for p, r in zip(prompts, batched):
+        alone = generate(tiny, [p], max_new_tokens=20, method=method, drafter=drafters[method], **opts)[0]
+        assert r.token_ids == alone.token_ids
+        assert r.stats["accepted_hist"] == alone.stats["accepted_hist"]
+        assert r.stats["drafter_forwards"] == alone.stats["drafter_forwards"]
+
+
+def _bigram_target():
+    """A target whose layers are switched off (feature f_p = e(x_p)) and whose head is sharp,
+    so the next token is a function of the current token: an oracle can be written by hand."""
+    tgt = tiny_target(vocab=64, tie_word_embeddings=False)
+    layers = dict(tgt.params["layers"])
+    layers["o_proj"] = {"kernel": jnp.zeros_like(layers["o_proj"]["kernel"])}
+    layers["mlp"] = dict(layers["mlp"], down_proj={"kernel": jnp.zeros_like(layers["mlp"]["down_proj"]["kernel"])})
+    tgt.params = dict(tgt.params, layers=layers, lm_head={"kernel": 30.0 * tgt.params["lm_head"]["kernel"]})
+    return tgt
+
+
+def _zero_layers(params):
+    lay = dict(params["layers"])
+    lay["o_proj"] = {"kernel": jnp.zeros_like(lay["o_proj"]["kernel"])}
+    lay["mlp"] = dict(lay["mlp"], down_proj={"kernel": jnp.zeros_like(lay["mlp"]["down_proj"]["kernel"])})
+    return dict(params, layers=lay)
+
+
+def test_oracle_drafters_reach_full_acceptance():
+    tgt = _bigram_target()
+    d = tgt.config.hidden_size
+    depth, rounds = 4, 6
+    n_new = 1 + rounds * (depth + 1)
+    prompt = [[5, 17, 3]]
+    ref = generate(tgt, prompt, max_new_tokens=n_new)[0].token_ids
+    hsd = load_drafter("hsd", target=tgt, random_init=True, injection="additive", feature_rms=1e4)
+    hsd.params = dict(_zero_layers(hsd.params), inject={"w": jnp.eye(d)})
+    eagle = load_drafter("eagle", target=tgt, random_init=True, readout="plain")
+    eagle.params = dict(_zero_layers(eagle.params), fc={"kernel": jnp.concatenate([jnp.zeros((d, d)), jnp.eye(d)])})
+    for dr, opts in [(hsd, dict(reuse="chain")), (hsd, dict(reuse="none")), (eagle, {})]:
+        r = generate(tgt, prompt, max_new_tokens=n_new, method=dr.kind, drafter=dr,
+                     tree_nodes=8, tree_depth=depth, tree_top_k=2, **opts)[0]
+        assert r.token_ids == ref
+        assert r.stats["tau"] == depth + 1 and r.stats["rounds"] == rounds
+        assert r.stats["accepted_hist"] == [0] * depth + [rounds]
+    sd = Drafter("sd", tgt.params, tgt.config)
+    gamma = 3
+    r = generate(tgt, prompt, max_new_tokens=1 + 5 * (gamma + 1), method="sd", drafter=sd, gamma=gamma)[0]
+    assert r.token_ids == generate(tgt, prompt, max_new_tokens=1 + 5 * (gamma + 1))[0].token_ids
+    assert r.stats["tau"] == gamma + 1 and r.stats["accepted_hist"] == [0] * gamma + [5]
+
+
+def test_chain_reuse_runs_fewer_drafter_steps(tiny, drafters):
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 64, size=8).tolist() for _ in range(3)]
+    kw = dict(max_new_tokens=32, method="hsd", drafter=drafters["hsd"], tree_nodes=10, tree_depth=5, tree_top_k=3)
+    none = generate(tiny, prompts, reuse="none", **kw)
+    chain = generate(tiny, prompts, reuse="chain", **kw)
+    steps_none = sum(r.stats["drafter_forwards"] for r in none) / sum(r.stats["new_tokens"] for r in none)
+    steps_chain = sum(r.stats["drafter_forwards"] for r in chain) / sum(r.stats["new_tokens"] for r in chain)
+    assert steps_chain < 0.7 * steps_none
+    assert [r.token_ids for r in none] == [r.token_ids for r in chain]
+
+
+def _exact_marginals(tgt, prompt, n_pos, temperature):
+    """Exact distribution of each of the first n_pos sampled tokens, by enumerating prefixes."""
+    v = tgt.config.vocab_size
+    marg = np.zeros((n_pos, v))
+    probs = {(): 1.0}
+    for pos in range(n_pos):
+        nxt = {}
+        prefixes = list(probs)
+        logits = jax_logits(tgt.params, tgt.config, [prompt + list(p) for p in prefixes])[:, -1]
+        dist = np.asarray(jax.nn.softmax(jnp.asarray(logits) / temperature, -1), np.float64)
+        for p, row in zip(prefixes, dist):
+            for t in range(v):
+                nxt[p + (t,)] = probs[p] * row[t]
+        probs = nxt
+        for p, pr in probs.items():
+            marg[pos, p[-1]] += pr
+    return marg
+
+
+CHI2_CRIT_7DOF = 24.32  # p = 1e-3 for 7 degrees of freedom (vocab 8)
+
+
+@pytest.mark.parametrize("method, opts", METHODS + [("ar", {})])
+def test_sampling_preserves_target_distribution(method, opts):
+    tgt = tiny_target(vocab=8, hidden=16, heads=2, kv_heads=1, seed=4, max_cache_len=64)
+    prompt, n_samples, n_pos, temp = [1, 5, 2], 3000, 3, 1.0
+    exact = _exact_marginals(tgt, prompt, n_pos, temp)
+    dr = None if method == "ar" else load_drafter(method, target=tgt, random_init=True, seed=2)
+    shape = dict(gamma=2) if method == "sd" else dict(tree_nodes=5, tree_depth=2, tree_top_k=3)
+    res = generate(tgt, [prompt] * n_samples, max_new_tokens=n_pos, temperature=temp, seed=123,
+                   method=method, drafter=dr, **({} if method == "ar" else dict(opts, **shape)))
+    toks = np.array([r.token_ids for r in res])
+    assert toks.shape == (n_samples, n_pos)
+    for pos in range(n_pos):
+        observed = np.bincount(toks[:, pos], minlength=8)
+        expected = exact[pos] * n_samples
+        chi2 = ((observed - expected) ** 2 / expected).sum()
+        assert chi2 < CHI2_CRIT_7DOF, (pos, chi2, observed, expected.round(1))
+
+
+def test_mismatched_drafter_is_refused(tiny):
+    other = tiny_target(hidden=48, heads=4, kv_heads=2)
+    d = load_drafter("hsd", target=other, random_init=True)
+    with pytest.raises(ConfigError, match="hidden size 48 does not match the target's 32"):
+        d.config.check_target(tiny.config)
+    with pytest.raises(ConfigError, match="feature layer 7"):
+        load_drafter("hsd", target=tiny, random_init=True, feature_layers=(0, 7))
+    with pytest.raises(ConfigError, match="vocab"):
+        load_drafter("sd", target=tiny, random_init=True, vocab_size=65)
+
+
+def test_bad_speculative_input_is_refused(tiny, drafters):
+    with pytest.raises(InputError, match="needs a drafter"):
+        generate(tiny, [[1, 2]], method="hsd")
+    with pytest.raises(InputError, match="needs a 'hsd' drafter"):
+        generate(tiny, [[1, 2]], method="hsd", drafter=drafters["eagle"])
+    with pytest.raises(InputError, match="draft tree"):
+        generate(tiny, [[1] * 200], max_new_tokens=50, method="hsd", drafter=drafters["hsd"])
+    with pytest.raises(ConfigError, match="exceeds the"):
+        generate(tiny, [[1, 2]], method="hsd", drafter=drafters["hsd"], tree_nodes=40, tree_depth=2, tree_top_k=2)
+    with pytest.raises(InputError, match="unknown options"):
+        generate(tiny, [[1, 2]], method="hsd", drafter=drafters["hsd"], tree_width=3)
+    with pytest.raises(Exception, match="random_init=True"):
+        load_drafter("hsd", target=tiny)

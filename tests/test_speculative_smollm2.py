@@ -1,0 +1,42 @@
+"""Every speculative method reproduces SmolLM2's greedy output on real prompts (random drafters)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hsd_jax import generate, load_drafter
+
+CASES = [("hsd", dict(reuse="chain")), ("hsd", dict(reuse="none")), ("hsd", dict(reuse="refresh")),
+         ("eagle", {}), ("sd", {})]
+
+
+@pytest.fixture(scope="module")
+def smol_prompts(smol, mt_prompts):
+    return [smol.encode(mt_prompts[i], chat=True) for i in (0, 10, 40)]
+
+
+@pytest.fixture(scope="module")
+def smol_ar(smol, smol_prompts):
+    return [r.token_ids for r in generate(smol, smol_prompts, max_new_tokens=40)]
+
+
+@pytest.mark.parametrize("method, opts", CASES)
+def test_smollm2_speculative_greedy_equals_ar(smol, smol_prompts, smol_ar, method, opts):
+    drafter = load_drafter(method, target=smol, random_init=True, seed=0,
+                           **({} if method == "sd" else dict(draft_vocab_size=8192)))
+    res = generate(smol, smol_prompts, max_new_tokens=40, method=method, drafter=drafter, **opts)
+    assert [r.token_ids for r in res] == smol_ar
+
+
+def test_cli_speculative_json_and_missing_drafter():
+    cmd = [sys.executable, "-m", "hsd_jax", "generate", "--prompt", "Name three primary colors.", "--chat",
+           "--max-new-tokens", "8", "--method", "hsd"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "random_init" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run(cmd + ["--random-drafter", "--reuse", "none", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["method"] == "hsd" and out["target_forwards"] >= 1 and out["drafter_forwards"] >= 1
+    assert out["tau"] >= 1.0 and 1 <= out["new_tokens"] <= 8
