@@ -172,3 +172,20 @@ def test_bad_speculative_input_is_refused(tiny, drafters):
         generate(tiny, [[1, 2]], method="hsd", drafter=drafters["hsd"], tree_width=3)
     with pytest.raises(Exception, match="random_init=True"):
         load_drafter("hsd", target=tiny)
+
+
+def test_drafter_save_load_round_trip(tmp_path, tiny, drafters):
+    from hsd_jax import save_drafter
+    from hsd_jax.loading.errors import ModelLoadError
+
+    for kind in ("hsd", "eagle", "sd"):
+        d = drafters[kind]
+        save_drafter(d, str(tmp_path / kind))
+        back = load_drafter(kind, str(tmp_path / kind), target=tiny)
+        assert back.config == d.config
+        same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), d.params, back.params)
+        assert all(jax.tree.leaves(same))
+    with pytest.raises(ModelLoadError, match="holds a 'hsd' drafter"):
+        load_drafter("eagle", str(tmp_path / "hsd"), target=tiny)
+    with pytest.raises(ModelLoadError, match="not a drafter directory"):
+        load_drafter("hsd", str(tmp_path), target=tiny)
