@@ -236,7 +236,7 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         raise InputError(f"unknown options for method 'ar': {', '.join(sorted(options))}")
     ids = encode_prompts(target, prompts, chat)
     longest = max(len(p) for p in ids)
-    slack = 0 if spec is None else spec.slots + spec.depth + 1
+    slack = 0 if spec is None else spec.cache_slack
     if longest + max_new_tokens + slack > target.max_cache_len:
         raise InputError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens}"
                          + (f" + draft tree {slack}" if slack else "")

@@ -130,6 +130,12 @@ class SpecConfig:
         return self.gamma if self.method == "sd" else self.tree_depth
 
     @property
+    def cache_slack(self) -> int:
+        """Cache slots a round may touch past the committed length (verify tree, overshoot, drafter scratch)."""
+        scratch = (self.tree_depth - 1) * self.tree_top_k if self.method == "eagle" else 0
+        return max(self.slots + self.depth + 1, scratch)
+
+    @property
     def slots(self) -> int:
         """Tokens in one verify forward: the root plus the draft nodes."""
         return self.gamma + 1 if self.method == "sd" else self.tree_nodes + 1

@@ -189,3 +189,11 @@ def test_drafter_save_load_round_trip(tmp_path, tiny, drafters):
         load_drafter("eagle", str(tmp_path / "hsd"), target=tiny)
     with pytest.raises(ModelLoadError, match="not a drafter directory"):
         load_drafter("hsd", str(tmp_path), target=tiny)
+
+
+def test_cache_slack_covers_eagle_drafter_scratch():
+    from hsd_jax.engine import SpecConfig
+
+    spec = SpecConfig(method="eagle", tree_nodes=10, tree_depth=6, tree_top_k=6)
+    assert spec.cache_slack == 5 * 6 > spec.slots + spec.depth + 1
+    assert SpecConfig(method="hsd", tree_nodes=10, tree_depth=4, tree_top_k=4).cache_slack == 11 + 4 + 1
