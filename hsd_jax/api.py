@@ -7,6 +7,7 @@ import time
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hsd_jax.config import ConfigError, ModelConfig, SamplingConfig
@@ -188,6 +189,8 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         d2t = np.load(d2t_path, allow_pickle=False) if os.path.isfile(d2t_path) else None
         with ocp.StandardCheckpointer() as ckpt:
             params = ckpt.restore(os.path.abspath(params_path))
+        compute = jnp.bfloat16 if tcfg.dtype == "bfloat16" else jnp.float32
+        params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     elif kind == "sd":
         defaults = dict(vocab_size=tcfg.vocab_size, hidden_size=max(tcfg.hidden_size // 2, 16),
                         intermediate_size=max(tcfg.intermediate_size // 2, 32), num_layers=2,

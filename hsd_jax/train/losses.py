@@ -1,0 +1,141 @@
+"""Unrolled ("training-time test") losses for the HSD and EAGLE-style feature drafters.
+
+Step k = 1..K predicts f_{q+1} at every position q with the chain's real context: true
+features up to q-k+1 and the drafter's own step-s predictions for the k-1 positions after
+it, exactly as the chain runs at inference. A one-layer drafter's K/V at a position depend
+only on that position's input, so every step is one parallel pass whose attention picks,
+for query q and key r <= q, the K/V of source step s = max(0, k-1-(q-r)).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from hsd_jax.models import drafter as dmod
+from hsd_jax.models.llama import DecoderLayer
+
+
+class Batch(NamedTuple):
+    tokens: jax.Array     # [B, W] int32 window of the sequence
+    features: jax.Array   # [B, W, d] true target features (pre-norm, last layer)
+    valid: jax.Array      # [B, W] bool: position q has a response label x_{q+2} and f_{q+1}
+    chain_ok: jax.Array   # [B, W] bool: a chain may start at q (q >= prompt end - 1)
+
+
+def multi_source_attention(q, ks, vs, step: int):
+    """q [B, Hq, W, Dh]; ks, vs: per source step s < step, [B, W, Hkv, Dh]. Causal."""
+    b, hq, w, dh = q.shape
+    hkv = ks[0].shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, w, dh).astype(jnp.float32) / jnp.sqrt(jnp.float32(dh))
+    qi = jnp.arange(w)[:, None]
+    ri = jnp.arange(w)[None, :]
+    source = jnp.maximum(0, step - 1 - (qi - ri))
+    scores = jnp.zeros((b, hkv, hq // hkv, w, w), jnp.float32)
+    for s, k in enumerate(ks):
+        sc = jnp.einsum("bhgqd,brhd->bhgqr", qg, k.astype(jnp.float32))
+        scores = jnp.where(source == s, sc, scores)
+    scores = jnp.where(ri <= qi, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, -1)
+    out = jnp.zeros((b, hkv, hq // hkv, w, dh), jnp.float32)
+    for s, v in enumerate(vs):
+        out = out + jnp.einsum("bhgqr,brhd->bhgqd", jnp.where(source == s, probs, 0.0), v.astype(jnp.float32))
+    return out.reshape(b, hq, w, dh)
+
+
+def _shift_right(x, first):
+    return jnp.concatenate([first[:, :1], x[:, :-1]], 1)
+
+
+def unrolled_features(params, dcfg, view, batch: Batch, steps: int) -> list[jax.Array]:
+    """Drafter predictions G^(k) [B, W, d] for k = 1..steps (G^(k)_q predicts f_{q+1})."""
+    if dcfg.num_layers != 1:
+        raise ValueError("unrolled training supports one-layer drafters (num_layers=1)")
+    layer = DecoderLayer(dcfg.layer_config())
+    lp = {"params": jax.tree.map(lambda a: a[0], params["layers"])}
+    b, w = batch.tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
+    if dcfg.kind == "hsd":
+        z = dmod.input_features(params, dcfg, batch.features.astype(jnp.float32), None)
+    else:
+        z = dmod.eagle_inputs(params, dcfg, view, batch.features, x_next)
+    z0, ks, vs, outs = z, [], [], []
+    for k in range(1, steps + 1):
+        q, kk, vv = layer.apply(lp, z, pos, method=DecoderLayer.project)
+        ks.append(kk), vs.append(vv)
+        g = layer.apply(lp, z, multi_source_attention(q, ks, vs, k), method=DecoderLayer.output)
+        outs.append(g)
+        prev = _shift_right(g, z0)
+        z = prev if dcfg.kind == "hsd" else dmod.eagle_inputs(params, dcfg, view, prev, x_next)
+    return outs
+
+
+class LossWeights(NamedTuple):
+    feature: float = 1.0
+    ce: float = 0.5
+    step_decay: float = 0.8
+
+
+def _step_mask(batch: Batch, k: int):
+    """Valid (position, step k) pairs: the chain starting at q-k+1 lies in the response."""
+    start_ok = jnp.roll(batch.chain_ok, k - 1, axis=1) & (jnp.arange(batch.valid.shape[1]) >= k - 1)
+    return batch.valid & start_ok
+
+
+def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_positions: int,
+                 weights: LossWeights = LossWeights()):
+    """Smooth-L1 feature regression on all positions plus draft-vocab cross-entropy on
+    `ce_positions` sampled response positions per row, summed over unroll steps."""
+    outs = unrolled_features(params, dcfg, view, batch, steps)
+    b, w, _ = batch.features.shape
+    f_next = jnp.concatenate([batch.features[:, 1:], batch.features[:, -1:]], 1).astype(jnp.float32)
+    x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
+    labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
+    logits_p = jnp.where(batch.valid, 0.0, -jnp.inf)
+    pick = jax.random.categorical(key, jnp.broadcast_to(logits_p[:, None], (b, ce_positions, w)), axis=-1)
+    has_any = jnp.any(batch.valid, 1, keepdims=True)
+    total, metrics = 0.0, {}
+    for k, g in enumerate(outs, 1):
+        m = _step_mask(batch, k).astype(jnp.float32)
+        feat = optax.huber_loss((g - f_next) / dcfg.feature_rms, delta=1.0).mean(-1)
+        feat = (feat * m).sum() / jnp.maximum(m.sum(), 1.0)
+        g_sel = jnp.take_along_axis(g, pick[..., None], 1)
+        lab = t2d[jnp.take_along_axis(labels, pick, 1)]
+        logits = dmod.readout(params, dcfg, view, g_sel, jnp.take_along_axis(x_next, pick, 1))
+        ce_mask = (jnp.take_along_axis(m, pick, 1) > 0) & (lab >= 0) & has_any
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(lab, 0))
+        ce = (ce * ce_mask).sum() / jnp.maximum(ce_mask.sum(), 1)
+        acc = ((jnp.argmax(logits, -1) == lab) * ce_mask).sum() / jnp.maximum(ce_mask.sum(), 1)
+        total = total + weights.step_decay ** (k - 1) * (weights.feature * feat + weights.ce * ce)
+        metrics.update({f"feat_{k}": feat, f"ce_{k}": ce, f"acc_{k}": acc})
+    return total, metrics
+
+
+def chain_acceptance(params, dcfg, view, t2d, batch: Batch, steps: int):
+    """Held-out top-1 acceptance along the target's greedy path, by chain depth, and the
+    mean accepted length of depth-`steps` chains (tau estimate = 1 + that).
+
+    Returns (correct counts [steps], totals [steps], accepted-length sum, chain count)."""
+    outs = unrolled_features(params, dcfg, view, batch, steps)
+    x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
+    labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
+    w = batch.tokens.shape[1]
+    correct, masks = [], []
+    for k, g in enumerate(outs, 1):
+        pred = jnp.take(view.d2t, jnp.argmax(dmod.readout(params, dcfg, view, g, x_next), -1))
+        correct.append(pred == labels)
+        masks.append(_step_mask(batch, k))
+    # chain starting at s: depth k is read at position s + k - 1
+    start_ok = batch.chain_ok & batch.valid & (jnp.arange(w) + steps - 1 < w)
+    run = jnp.ones_like(start_ok)
+    acc_len = jnp.zeros(start_ok.shape, jnp.int32)
+    for k in range(steps):
+        ok = jnp.roll(correct[k] & masks[k], -k, axis=1)
+        run = run & ok
+        acc_len = acc_len + run
+    n_corr = jnp.stack([(c & mk).sum() for c, mk in zip(correct, masks)])
+    n_tot = jnp.stack([mk.sum() for mk in masks])
+    return n_corr, n_tot, (acc_len * start_ok).sum(), start_ok.sum()

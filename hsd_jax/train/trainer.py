@@ -1,0 +1,236 @@
+"""Drafter training runs: YAML config, AdamW with warmup + cosine, resumable Orbax checkpoints.
+
+`train(cfg)` builds (or reuses) the feature cache, trains the HSD or EAGLE-style drafter with
+the unrolled loss, evaluates held-out chain acceptance each `eval_every` steps, saves every
+`save_every` steps (resuming from the latest checkpoint after a crash or `kill -9`), and
+exports the final drafter with `save_drafter` (bf16 params) plus metrics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hsd_jax.config import ConfigError
+from hsd_jax.train import losses
+from hsd_jax.train.data import DataError, load_shards, shard_paths
+from hsd_jax.train.features import build_feature_cache, feature_path
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    kind: str = "hsd"
+    model: str = "smollm2-135m"
+    data_dir: str = ""
+    out_dir: str = ""
+    feature_cache: str = ""
+    steps: int = 1000
+    batch_size: int = 8
+    window: int = 256
+    unroll: int = 3
+    ce_positions: int = 48
+    learning_rate: float = 5e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    ce_weight: float = 0.5
+    draft_vocab_size: int = 8192
+    injection: str = "fused"
+    readout: str = "fused"
+    save_every: int = 100
+    eval_every: int = 250
+    max_to_keep: int = 2
+    holdout_fraction: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("hsd", "eagle"):
+            raise ConfigError(f"kind must be hsd or eagle, got {self.kind!r}")
+        if not self.data_dir:
+            raise ConfigError("data_dir is required")
+        if not self.out_dir:
+            raise ConfigError("out_dir is required")
+        for name in ("steps", "batch_size", "window", "unroll", "ce_positions", "save_every", "eval_every",
+                     "max_to_keep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
+            raise ConfigError("warmup_steps and weight_decay must be >= 0 and grad_clip > 0")
+        if not 0 < self.holdout_fraction < 1:
+            raise ConfigError(f"holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
+
+    @classmethod
+    def from_yaml(cls, path: str, **overrides) -> "TrainConfig":
+        import yaml
+
+        if not os.path.isfile(path):
+            raise ConfigError(f"training config not found: {path}")
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"{path}: unknown keys {sorted(unknown)}")
+        return cls(**raw)
+
+
+class SequenceData:
+    """Token sequences with their cached features, split into train and held-out rows."""
+
+    def __init__(self, data_dir: str, cache_dir: str, window: int, holdout: float, seed: int):
+        self.window = window
+        self.rows = []  # (tokens, features memmap row, prompt_len)
+        for shard in shard_paths(data_dir):
+            feats = np.load(feature_path(cache_dir, shard), mmap_mode="r")
+            with np.load(shard, allow_pickle=False) as z:
+                for i, (row, n, pl) in enumerate(zip(z["tokens"], z["lengths"], z["prompt_lens"])):
+                    self.rows.append((row[:n].copy(), feats, i, int(pl)))
+        if len(self.rows) < 2:
+            raise DataError(f"{data_dir}: need at least 2 sequences, found {len(self.rows)}")
+        order = np.random.default_rng(seed).permutation(len(self.rows))
+        n_hold = max(1, int(len(order) * holdout))
+        self.holdout, self.train = order[:n_hold], order[n_hold:]
+
+    def batch(self, idx) -> losses.Batch:
+        """Right-aligned windows (the last `window` tokens hold the response) of rows idx."""
+        w, d = self.window, self.rows[0][1].shape[-1]
+        toks = np.zeros((len(idx), w), np.int32)
+        feats = np.zeros((len(idx), w, d), np.float32)
+        valid = np.zeros((len(idx), w), bool)
+        chain_ok = np.zeros((len(idx), w), bool)
+        for j, r in enumerate(idx):
+            tokens, fmm, i, plen = self.rows[r]
+            start = max(0, len(tokens) - w)
+            n = len(tokens) - start
+            toks[j, :n] = tokens[start:]
+            feats[j, :n] = fmm[i, start: len(tokens)]
+            q = np.arange(w)
+            chain_ok[j] = q >= plen - 1 - start
+            valid[j] = chain_ok[j] & (q + 2 < n)
+        return losses.Batch(jnp.asarray(toks), jnp.asarray(feats), jnp.asarray(valid), jnp.asarray(chain_ok))
+
+
+def draft_vocab(seqs, prompt_lens, vocab_size: int, size: int) -> np.ndarray:
+    """The `size` most frequent response token ids (ties by id), sorted: the draft vocabulary."""
+    counts = np.zeros(vocab_size, np.int64)
+    for s, p in zip(seqs, prompt_lens):
+        np.add.at(counts, s[p:], 1)
+    size = min(size or vocab_size, vocab_size)
+    return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
+
+
+def feature_rms(data: SequenceData, n: int = 64) -> float:
+    rows = data.train[:n]
+    vals = [np.asarray(data.rows[r][1][data.rows[r][2], : len(data.rows[r][0])], np.float32) for r in rows]
+    return float(np.sqrt(np.mean(np.concatenate(vals) ** 2)))
+
+
+def make_optimizer(cfg: TrainConfig):
+    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, min(cfg.warmup_steps, cfg.steps - 1),
+                                               cfg.steps, cfg.learning_rate * 0.05)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(sched, weight_decay=cfg.weight_decay))
+
+
+def train(cfg: TrainConfig, *, target=None, progress: bool = True, log=print) -> dict:
+    """Run (or resume) a training run; returns the final held-out metrics."""
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    from hsd_jax.api import load_target, save_drafter
+    from hsd_jax.models import drafter as dmod
+
+    if not os.path.isdir(cfg.data_dir) or not shard_paths(cfg.data_dir):
+        raise DataError(f"no training data in {cfg.data_dir!r}: run `hsd data generate --out {cfg.data_dir}`")
+    target = target or load_target(cfg.model, max_cache_len=512, tokenizer=False)
+    cache_dir = cfg.feature_cache or os.path.join(cfg.out_dir, "features")
+    build_feature_cache(target, cfg.data_dir, cache_dir, progress=progress)
+    data = SequenceData(cfg.data_dir, cache_dir, cfg.window, cfg.holdout_fraction, cfg.seed)
+    seqs, plens = load_shards(cfg.data_dir)
+    d2t = draft_vocab(seqs, plens, target.config.vocab_size, cfg.draft_vocab_size)
+    t2d = np.full(target.config.vocab_size, -1, np.int32)
+    t2d[d2t] = np.arange(len(d2t), dtype=np.int32)
+    dcfg = dmod.DrafterConfig.for_target(cfg.kind, target.config, draft_vocab_size=len(d2t),
+                                         injection=cfg.injection, readout=cfg.readout,
+                                         feature_rms=round(feature_rms(data), 3))
+    view = dmod.target_view(target.params, target.config, d2t)
+    t2d = jnp.asarray(t2d)
+    params = dmod.init_drafter_params(dcfg, jax.random.key(cfg.seed))
+    tx = make_optimizer(cfg)
+    state = {"params": params, "opt": tx.init(params)}
+    weights = losses.LossWeights(ce=cfg.ce_weight)
+
+    @jax.jit
+    def train_step(state, batch, key):
+        def loss_fn(p):
+            return losses.drafter_loss(p, dcfg, view, t2d, batch, key, steps=cfg.unroll,
+                                       ce_positions=cfg.ce_positions, weights=weights)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, dict(metrics, loss=loss)
+
+    eval_fn = jax.jit(functools.partial(losses.chain_acceptance, dcfg=dcfg, view=view, t2d=t2d, steps=cfg.unroll))
+
+    def evaluate(params):
+        corr, tot, acc_sum, n = 0, 0, 0, 0
+        for i in range(0, len(data.holdout), cfg.batch_size):
+            idx = data.holdout[i: i + cfg.batch_size]
+            real = np.arange(cfg.batch_size) < len(idx)
+            b = data.batch(np.resize(idx, cfg.batch_size))
+            b = b._replace(valid=b.valid & real[:, None], chain_ok=b.chain_ok & real[:, None])
+            c, t, a, m = eval_fn(params, batch=b)
+            corr, tot, acc_sum, n = corr + np.asarray(c), tot + np.asarray(t), acc_sum + int(a), n + int(m)
+        return {"accept_by_depth": [round(float(x), 4) for x in corr / np.maximum(tot, 1)],
+                "chain_tau_estimate": round(1.0 + acc_sum / max(n, 1), 4), "heldout_chains": n}
+
+    ckpt_dir = os.path.abspath(os.path.join(cfg.out_dir, "checkpoints"))
+    mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.max_to_keep, save_interval_steps=cfg.save_every, create=True))
+    start = 0
+    if mngr.latest_step() is not None:
+        start = mngr.latest_step()
+        state = mngr.restore(start, args=ocp.args.StandardRestore(state))
+        log(f"resumed from step {start}")
+    with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    history, losses_seen, t0 = [], [], time.time()
+    if start == 0:
+        history.append(dict(step=0, **evaluate(state["params"])))
+        log(f"untrained: {history[-1]}")
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.kind}", disable=not progress)
+    for step in range(start, cfg.steps):
+        rng = np.random.default_rng([cfg.seed, step])
+        idx = rng.choice(data.train, size=cfg.batch_size, replace=len(data.train) < cfg.batch_size)
+        state, metrics = train_step(state, data.batch(idx), jax.random.fold_in(jax.random.key(cfg.seed), step))
+        losses_seen.append(float(metrics["loss"]))
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            mngr.save(step + 1, args=ocp.args.StandardSave(state), force=step + 1 == cfg.steps)
+        if (step + 1) % 10 == 0:
+            bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", acc1=f"{float(metrics['acc_1']):.3f}")
+        if (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            ev = evaluate(state["params"])
+            history.append(dict(step=step + 1, **ev))
+            log(f"step {step + 1}: {ev}")
+        bar.update(1)
+    bar.close()
+    mngr.wait_until_finished()
+    k = max(1, min(10, len(losses_seen) // 2))
+    final = dict(step=cfg.steps, **evaluate(state["params"]), wall_seconds_this_run=round(time.time() - t0, 1),
+                 loss_first=round(float(np.mean(losses_seen[:k])), 4) if losses_seen else None,
+                 loss_last=round(float(np.mean(losses_seen[-k:])), 4) if losses_seen else None)
+    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state["params"])
+    save_drafter(dmod.Drafter(cfg.kind, half, dcfg, d2t), os.path.join(cfg.out_dir, "drafter"))
+    with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as f:
+        json.dump({"final": final, "history": history, "train_tokens": int(sum(len(s) for s in seqs)),
+                   "response_tokens": int(sum(len(s) - p for s, p in zip(seqs, plens)))}, f, indent=1)
+    log(f"final: {final}")
+    return final

@@ -1,0 +1,117 @@
+"""Drafter training on a tiny target: loss falls and acceptance rises, kill -9 and resume, bad configs."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from hsd_jax.config import ConfigError
+from hsd_jax.train.data import DataError, generate_data
+from hsd_jax.train.trainer import TrainConfig, train
+from tests.helpers import save_hf_dir, tiny_target
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_target(vocab=64, hidden=32, layers=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory, tiny):
+    out = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 64, size=rng.integers(4, 16)).tolist() for _ in range(96)]
+    n = generate_data(tiny, prompts, str(out), batch_size=32, max_new_tokens=28, temperature=0.0, progress=False)
+    assert n == 96 * 28
+    return str(out)
+
+
+def _cfg(tmp_path, data_dir, **kw):
+    base = dict(kind="hsd", data_dir=data_dir, out_dir=str(tmp_path / "run"), steps=400, batch_size=8, window=40,
+                unroll=2, ce_positions=8, learning_rate=1e-2, warmup_steps=10, draft_vocab_size=0,
+                save_every=50, eval_every=1000, holdout_fraction=0.15, ce_weight=1.0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parametrize("kind", ["hsd", "eagle"])
+def test_training_lowers_loss_and_raises_acceptance(tmp_path, tiny, tiny_data, kind):
+    cfg = _cfg(tmp_path, tiny_data, kind=kind)
+    final = train(cfg, target=tiny, progress=False, log=lambda *_: None)
+    metrics = json.load(open(os.path.join(cfg.out_dir, "metrics.json")))
+    untrained = metrics["history"][0]
+    assert untrained["step"] == 0
+    assert final["loss_last"] < 0.7 * final["loss_first"]
+    assert final["accept_by_depth"][0] > untrained["accept_by_depth"][0] + 0.1
+    assert final["chain_tau_estimate"] > untrained["chain_tau_estimate"] + 0.1
+    from hsd_jax import generate, load_drafter
+
+    dr = load_drafter(kind, os.path.join(cfg.out_dir, "drafter"), target=tiny)
+    prompt = [[5, 9, 33, 2, 17, 40]]
+    ref = generate(tiny, prompt, max_new_tokens=24)[0]
+    res = generate(tiny, prompt, max_new_tokens=24, method=kind, drafter=dr, tree_nodes=6, tree_depth=3,
+                   tree_top_k=2)[0]
+    assert res.token_ids == ref.token_ids and res.stats["tau"] > 1.1
+
+
+def _latest_step(ckpt_dir):
+    if not os.path.isdir(ckpt_dir):
+        return 0
+    steps = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit()]
+    return max(steps, default=0)
+
+
+def test_kill_9_and_resume_continues_from_last_checkpoint(tmp_path, tiny, tiny_data):
+    model_dir = tmp_path / "tiny_model"
+    save_hf_dir(tiny, model_dir)
+    cfg = _cfg(tmp_path, tiny_data, model=str(model_dir), steps=300, save_every=40, out_dir=str(tmp_path / "killed"))
+    cfg_path = tmp_path / "cfg.yaml"
+    import yaml
+
+    cfg_path.write_text(yaml.safe_dump({k: getattr(cfg, k) for k in cfg.__dataclass_fields__}))
+    proc = subprocess.Popen([sys.executable, "-m", "hsd_jax", "train", "--config", str(cfg_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = os.path.join(cfg.out_dir, "checkpoints")
+    deadline = time.time() + 400
+    while _latest_step(ckpt) < 120 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = _latest_step(ckpt)
+    assert 120 <= killed_at < 300
+    logs = []
+    resumed = train(TrainConfig.from_yaml(str(cfg_path)), target=tiny, progress=False, log=logs.append)
+    assert any(f"resumed from step {killed_at}" in line for line in logs) or any(
+        f"resumed from step {killed_at - 40}" in line for line in logs)
+    assert resumed["step"] == 300
+    straight_cfg = _cfg(tmp_path, tiny_data, model=str(model_dir), steps=300, save_every=40,
+                        out_dir=str(tmp_path / "straight"))
+    train(straight_cfg, target=tiny, progress=False, log=lambda *_: None)
+    from hsd_jax import load_drafter
+
+    a = load_drafter("hsd", os.path.join(cfg.out_dir, "drafter"), target=tiny).params
+    b = load_drafter("hsd", os.path.join(straight_cfg.out_dir, "drafter"), target=tiny).params
+    diffs = jax.tree.leaves(jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()), a, b))
+    assert max(diffs) < 1e-2  # bf16 export of identical f32 training trajectories
+
+
+def test_bad_training_configs_are_refused(tmp_path, tiny_data):
+    with pytest.raises(ConfigError, match="steps must be >= 1"):
+        _cfg(tmp_path, tiny_data, steps=0)
+    with pytest.raises(ConfigError, match="learning_rate must be > 0"):
+        _cfg(tmp_path, tiny_data, learning_rate=-1e-3)
+    with pytest.raises(DataError, match="no training data"):
+        train(_cfg(tmp_path, str(tmp_path / "missing")), progress=False)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: hsd\ndata_dir: x\nout_dir: y\nsteps: 0\n")
+    r = subprocess.run([sys.executable, "-m", "hsd_jax", "train", "--config", str(bad)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: steps must be >= 1, got 0"]
+    r = subprocess.run([sys.executable, "-m", "hsd_jax", "train", "--config", str(tmp_path / "nope.yaml")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "training config not found" in r.stderr
