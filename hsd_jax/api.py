@@ -145,7 +145,6 @@ def save_drafter(drafter, path: str) -> None:
     os.makedirs(path, exist_ok=True)
     meta, d2t_path, params_path = _drafter_paths(path)
     cfg = dataclasses.asdict(drafter.config)
-    cfg.pop("rope_scaling", None)
     with open(meta, "w") as f:
         json.dump({"kind": drafter.kind, "config": cfg}, f, indent=1)
     np.save(d2t_path, np.asarray(drafter.d2t if drafter.d2t is not None else [], np.int32))
@@ -182,6 +181,10 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         if info.get("kind") != kind:
             raise ModelLoadError(f"{path} holds a {info.get('kind')!r} drafter, not {kind!r}")
         raw = dict(info["config"], **config)
+        if kind == "sd" and isinstance(raw.get("rope_scaling"), dict):
+            from hsd_jax.config import RopeScaling
+
+            raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
         try:
             cfg = ModelConfig(**raw) if kind == "sd" else DrafterConfig(**raw)
         except TypeError as e:
@@ -191,6 +194,9 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
             params = ckpt.restore(os.path.abspath(params_path))
         compute = jnp.bfloat16 if tcfg.dtype == "bfloat16" else jnp.float32
         params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        if kind == "sd":
+            shared = {k: target.params[k] for k in ("embed_tokens", "lm_head") if k in target.params}
+            params = dict(shared, **params)
     elif kind == "sd":
         defaults = dict(vocab_size=tcfg.vocab_size, hidden_size=max(tcfg.hidden_size // 2, 16),
                         intermediate_size=max(tcfg.intermediate_size // 2, 32), num_layers=2,

@@ -115,3 +115,18 @@ def test_bad_training_configs_are_refused(tmp_path, tiny_data):
     r = subprocess.run([sys.executable, "-m", "hsd_jax", "train", "--config", str(tmp_path / "nope.yaml")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "training config not found" in r.stderr
+
+
+def test_sd_draft_lm_training_and_shared_embeddings(tmp_path, tiny, tiny_data):
+    cfg = _cfg(tmp_path, tiny_data, kind="sd", sd_layers=1, steps=200, learning_rate=1e-3)
+    final = train(cfg, target=tiny, progress=False, log=lambda *_: None)
+    untrained = json.load(open(os.path.join(cfg.out_dir, "metrics.json")))["history"][0]
+    assert final["loss_last"] < final["loss_first"]
+    assert final["accept_by_depth"][0] > untrained["accept_by_depth"][0]
+    from hsd_jax import generate, load_drafter
+
+    dr = load_drafter("sd", os.path.join(cfg.out_dir, "drafter"), target=tiny)
+    assert dr.params["embed_tokens"]["embedding"] is tiny.params["embed_tokens"]["embedding"]
+    prompt = [[3, 14, 15, 9, 26]]
+    ref = generate(tiny, prompt, max_new_tokens=20)[0].token_ids
+    assert generate(tiny, prompt, max_new_tokens=20, method="sd", drafter=dr, gamma=3)[0].token_ids == ref

@@ -139,3 +139,57 @@ def chain_acceptance(params, dcfg, view, t2d, batch: Batch, steps: int):
     n_corr = jnp.stack([(c & mk).sum() for c, mk in zip(correct, masks)])
     n_tot = jnp.stack([mk.sum() for mk in masks])
     return n_corr, n_tot, (acc_len * start_ok).sum(), start_ok.sum()
+
+
+def _draft_lm_logits(params, cfg, tokens):
+    """Causal forward of a draft LM over windows [B, W]; features [B, W, d]."""
+    from hsd_jax.cache import init_cache
+    from hsd_jax.models import llama
+
+    b, w = tokens.shape
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, w, cfg.head_dim)
+    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    return llama.forward(params, cfg, tokens, pos, cache).features
+
+
+def draft_lm_loss(params, frozen, cfg, batch: Batch, key, *, ce_positions: int):
+    """SD draft LM distillation: cross-entropy against the target's greedy next token (the
+    self-distilled data at T=0) on sampled response positions. `frozen` = shared embeddings."""
+    from hsd_jax.models import llama
+
+    full = dict(params, **frozen)
+    feats = _draft_lm_logits(full, cfg, batch.tokens)
+    b, w = batch.tokens.shape
+    labels = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
+    pick = jax.random.categorical(key, jnp.broadcast_to(jnp.where(batch.valid, 0.0, -jnp.inf)[:, None],
+                                                        (b, ce_positions, w)), axis=-1)
+    logits = llama.logits_from_features(full, cfg, jnp.take_along_axis(feats, pick[..., None], 1))
+    lab = jnp.take_along_axis(labels, pick, 1)
+    m = jnp.take_along_axis(batch.valid, pick, 1) & jnp.any(batch.valid, 1, keepdims=True)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, lab)
+    ce = (ce * m).sum() / jnp.maximum(m.sum(), 1)
+    acc = ((jnp.argmax(logits, -1) == lab) * m).sum() / jnp.maximum(m.sum(), 1)
+    return ce, {"ce_1": ce, "acc_1": acc}
+
+
+def draft_lm_acceptance(params, frozen, cfg, batch: Batch, steps: int):
+    """As `chain_acceptance` for a draft LM: along the target's greedy path the draft at depth k
+    is the LM's next-token prediction at the chain's (k-1)-th accepted position."""
+    from hsd_jax.models import llama
+
+    full = dict(params, **frozen)
+    logits = llama.logits_from_features(full, cfg, _draft_lm_logits(full, cfg, batch.tokens))
+    labels = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
+    w = batch.tokens.shape[1]
+    ok = (jnp.argmax(logits, -1) == labels) & jnp.roll(batch.valid, 1, axis=1)
+    start_ok = batch.chain_ok & batch.valid & (jnp.arange(w) + steps < w)
+    run = jnp.ones_like(start_ok)
+    acc_len = jnp.zeros(start_ok.shape, jnp.int32)
+    n_corr, n_tot = [], []
+    for k in range(steps):
+        hit = jnp.roll(ok, -(k + 1), axis=1)
+        run = run & hit
+        acc_len = acc_len + run
+        n_corr.append((hit & start_ok).sum())
+        n_tot.append(start_ok.sum())
+    return jnp.stack(n_corr), jnp.stack(n_tot), (acc_len * start_ok).sum(), start_ok.sum()

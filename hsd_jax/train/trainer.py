@@ -48,11 +48,14 @@ class TrainConfig:
     eval_every: int = 250
     max_to_keep: int = 2
     holdout_fraction: float = 0.05
+    sd_layers: int = 3
     seed: int = 0
 
     def __post_init__(self):
-        if self.kind not in ("hsd", "eagle"):
-            raise ConfigError(f"kind must be hsd or eagle, got {self.kind!r}")
+        if self.kind not in ("hsd", "eagle", "sd"):
+            raise ConfigError(f"kind must be hsd, eagle or sd, got {self.kind!r}")
+        if self.sd_layers < 1:
+            raise ConfigError(f"sd_layers must be >= 1, got {self.sd_layers}")
         if not self.data_dir:
             raise ConfigError("data_dir is required")
         if not self.out_dir:
@@ -86,11 +89,11 @@ class TrainConfig:
 class SequenceData:
     """Token sequences with their cached features, split into train and held-out rows."""
 
-    def __init__(self, data_dir: str, cache_dir: str, window: int, holdout: float, seed: int):
+    def __init__(self, data_dir: str, cache_dir: str | None, window: int, holdout: float, seed: int):
         self.window = window
-        self.rows = []  # (tokens, features memmap row, prompt_len)
+        self.rows = []  # (tokens, features memmap or None, row in the shard, prompt_len)
         for shard in shard_paths(data_dir):
-            feats = np.load(feature_path(cache_dir, shard), mmap_mode="r")
+            feats = None if cache_dir is None else np.load(feature_path(cache_dir, shard), mmap_mode="r")
             with np.load(shard, allow_pickle=False) as z:
                 for i, (row, n, pl) in enumerate(zip(z["tokens"], z["lengths"], z["prompt_lens"])):
                     self.rows.append((row[:n].copy(), feats, i, int(pl)))
@@ -102,7 +105,8 @@ class SequenceData:
 
     def batch(self, idx) -> losses.Batch:
         """Right-aligned windows (the last `window` tokens hold the response) of rows idx."""
-        w, d = self.window, self.rows[0][1].shape[-1]
+        w = self.window
+        d = 1 if self.rows[0][1] is None else self.rows[0][1].shape[-1]
         toks = np.zeros((len(idx), w), np.int32)
         feats = np.zeros((len(idx), w, d), np.float32)
         valid = np.zeros((len(idx), w), bool)
@@ -112,7 +116,8 @@ class SequenceData:
             start = max(0, len(tokens) - w)
             n = len(tokens) - start
             toks[j, :n] = tokens[start:]
-            feats[j, :n] = fmm[i, start: len(tokens)]
+            if fmm is not None:
+                feats[j, :n] = fmm[i, start: len(tokens)]
             q = np.arange(w)
             chain_ok[j] = q >= plen - 1 - start
             valid[j] = chain_ok[j] & (q + 2 < n)
@@ -140,6 +145,54 @@ def make_optimizer(cfg: TrainConfig):
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(sched, weight_decay=cfg.weight_decay))
 
 
+def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
+    """HSD or EAGLE-style drafter: params, unrolled loss, held-out chain acceptance."""
+    from hsd_jax.models import drafter as dmod
+
+    seqs, plens = load_shards(cfg.data_dir)
+    d2t = draft_vocab(seqs, plens, target.config.vocab_size, cfg.draft_vocab_size)
+    t2d = np.full(target.config.vocab_size, -1, np.int32)
+    t2d[d2t] = np.arange(len(d2t), dtype=np.int32)
+    t2d = jnp.asarray(t2d)
+    dcfg = dmod.DrafterConfig.for_target(cfg.kind, target.config, draft_vocab_size=len(d2t),
+                                         injection=cfg.injection, readout=cfg.readout,
+                                         feature_rms=round(feature_rms(data), 3))
+    view = dmod.target_view(target.params, target.config, d2t)
+    weights = losses.LossWeights(ce=cfg.ce_weight)
+
+    def loss(params, batch, key):
+        return losses.drafter_loss(params, dcfg, view, t2d, batch, key, steps=cfg.unroll,
+                                   ce_positions=cfg.ce_positions, weights=weights)
+
+    def accept(params, batch):
+        return losses.chain_acceptance(params, dcfg, view, t2d, batch, cfg.unroll)
+
+    return dict(params=dmod.init_drafter_params(dcfg, jax.random.key(cfg.seed)), loss=loss, accept=accept,
+                config=dcfg, d2t=d2t)
+
+
+def sd_draft_config(target_cfg, layers: int):
+    return target_cfg.replace(num_layers=layers, feature_layers=(), attention_impl="reference")
+
+
+def _sd_task(cfg: TrainConfig, target) -> dict:
+    """Standard-SD draft LM: `sd_layers` of the target's layers (evenly spaced) as the start,
+    the target's embeddings and head shared and frozen (not stored with the drafter)."""
+    dcfg = sd_draft_config(target.config, cfg.sd_layers)
+    picks = np.linspace(0, target.config.num_layers - 1, cfg.sd_layers).round().astype(int)
+    tp = target.params
+    params = {"layers": jax.tree.map(lambda a: jnp.asarray(a)[picks], tp["layers"]), "norm": tp["norm"]}
+    frozen = {k: tp[k] for k in ("embed_tokens", "lm_head") if k in tp}
+
+    def loss(params, batch, key):
+        return losses.draft_lm_loss(params, frozen, dcfg, batch, key, ce_positions=cfg.ce_positions)
+
+    def accept(params, batch):
+        return losses.draft_lm_acceptance(params, frozen, dcfg, batch, cfg.unroll)
+
+    return dict(params=params, loss=loss, accept=accept, config=dcfg, d2t=None)
+
+
 def train(cfg: TrainConfig, *, target=None, progress: bool = True, log=print) -> dict:
     """Run (or resume) a training run; returns the final held-out metrics."""
     import orbax.checkpoint as ocp
@@ -151,34 +204,23 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True, log=print) ->
     if not os.path.isdir(cfg.data_dir) or not shard_paths(cfg.data_dir):
         raise DataError(f"no training data in {cfg.data_dir!r}: run `hsd data generate --out {cfg.data_dir}`")
     target = target or load_target(cfg.model, max_cache_len=512, tokenizer=False)
-    cache_dir = cfg.feature_cache or os.path.join(cfg.out_dir, "features")
-    build_feature_cache(target, cfg.data_dir, cache_dir, progress=progress)
+    cache_dir = None
+    if cfg.kind != "sd":
+        cache_dir = cfg.feature_cache or os.path.join(cfg.out_dir, "features")
+        build_feature_cache(target, cfg.data_dir, cache_dir, progress=progress)
     data = SequenceData(cfg.data_dir, cache_dir, cfg.window, cfg.holdout_fraction, cfg.seed)
-    seqs, plens = load_shards(cfg.data_dir)
-    d2t = draft_vocab(seqs, plens, target.config.vocab_size, cfg.draft_vocab_size)
-    t2d = np.full(target.config.vocab_size, -1, np.int32)
-    t2d[d2t] = np.arange(len(d2t), dtype=np.int32)
-    dcfg = dmod.DrafterConfig.for_target(cfg.kind, target.config, draft_vocab_size=len(d2t),
-                                         injection=cfg.injection, readout=cfg.readout,
-                                         feature_rms=round(feature_rms(data), 3))
-    view = dmod.target_view(target.params, target.config, d2t)
-    t2d = jnp.asarray(t2d)
-    params = dmod.init_drafter_params(dcfg, jax.random.key(cfg.seed))
+    task = _sd_task(cfg, target) if cfg.kind == "sd" else _feature_task(cfg, target, data)
+    params = task["params"]
     tx = make_optimizer(cfg)
     state = {"params": params, "opt": tx.init(params)}
-    weights = losses.LossWeights(ce=cfg.ce_weight)
 
     @jax.jit
     def train_step(state, batch, key):
-        def loss_fn(p):
-            return losses.drafter_loss(p, dcfg, view, t2d, batch, key, steps=cfg.unroll,
-                                       ce_positions=cfg.ce_positions, weights=weights)
-
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+        (loss, metrics), grads = jax.value_and_grad(task["loss"], has_aux=True)(state["params"], batch, key)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, dict(metrics, loss=loss)
 
-    eval_fn = jax.jit(functools.partial(losses.chain_acceptance, dcfg=dcfg, view=view, t2d=t2d, steps=cfg.unroll))
+    eval_fn = jax.jit(task["accept"])
 
     def evaluate(params):
         corr, tot, acc_sum, n = 0, 0, 0, 0
@@ -187,7 +229,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True, log=print) ->
             real = np.arange(cfg.batch_size) < len(idx)
             b = data.batch(np.resize(idx, cfg.batch_size))
             b = b._replace(valid=b.valid & real[:, None], chain_ok=b.chain_ok & real[:, None])
-            c, t, a, m = eval_fn(params, batch=b)
+            c, t, a, m = eval_fn(params, b)
             corr, tot, acc_sum, n = corr + np.asarray(c), tot + np.asarray(t), acc_sum + int(a), n + int(m)
         return {"accept_by_depth": [round(float(x), 4) for x in corr / np.maximum(tot, 1)],
                 "chain_tau_estimate": round(1.0 + acc_sum / max(n, 1), 4), "heldout_chains": n}
@@ -228,7 +270,8 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True, log=print) ->
                  loss_first=round(float(np.mean(losses_seen[:k])), 4) if losses_seen else None,
                  loss_last=round(float(np.mean(losses_seen[-k:])), 4) if losses_seen else None)
     half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state["params"])
-    save_drafter(dmod.Drafter(cfg.kind, half, dcfg, d2t), os.path.join(cfg.out_dir, "drafter"))
+    save_drafter(dmod.Drafter(cfg.kind, half, task["config"], task["d2t"]), os.path.join(cfg.out_dir, "drafter"))
+    seqs, plens = load_shards(cfg.data_dir)
     with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as f:
         json.dump({"final": final, "history": history, "train_tokens": int(sum(len(s) for s in seqs)),
                    "response_tokens": int(sum(len(s) - p for s, p in zip(seqs, plens)))}, f, indent=1)
