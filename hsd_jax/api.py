@@ -122,8 +122,10 @@ _COMPILED: dict = {}
 
 def compiled(fn, args, static: dict):
     """AOT-compile `fn` for these argument shapes once; returns (executable, compile seconds now)."""
-    shapes = jax.tree.map(lambda a: (np.shape(a), str(getattr(a, "dtype", type(a)))), args)
-    key = (fn, str(jax.tree.structure(args)), str(shapes), tuple(sorted(static.items())))
+    shapes = jax.tree.map(lambda a: (np.shape(a), str(getattr(a, "dtype", type(a))),
+                                     str(getattr(a, "sharding", None))), args)
+    key = (fn, str(jax.tree.structure(args)), str(shapes), tuple(sorted(static.items())),
+           str(jax.sharding.get_abstract_mesh()))
     if key in _COMPILED:
         return _COMPILED[key], 0.0
     t0 = time.perf_counter()
@@ -152,12 +154,22 @@ def save_drafter(drafter, path: str) -> None:
         ckpt.save(os.path.abspath(params_path), drafter.params, force=True)
 
 
+SHIPPED_DRAFTERS = os.path.join(os.path.dirname(__file__), "drafters")
+
+
+def shipped_drafter(kind: str, target: Target) -> str | None:
+    """The trained drafter shipped in the package for this target, if there is one."""
+    path = os.path.join(SHIPPED_DRAFTERS, target.name, kind)
+    return path if os.path.isfile(os.path.join(path, "drafter.json")) else None
+
+
 def load_drafter(kind: str, path: str | None = None, *, target: Target, random_init: bool = False,
                  seed: int = 0, **config) -> "Drafter":
     """A drafter for `target`: `hsd`, `eagle` (feature drafters) or `sd` (a small draft LM).
 
-    From `path` (a directory written by `save_drafter`), or random weights when asked with
-    `random_init=True` (for tests and engine checks; acceptance will be low).
+    From `path` (a directory written by `save_drafter`), the drafter shipped for the target
+    (`hsd_jax/drafters/<model>/<kind>`) when no path is given, or random weights when asked
+    with `random_init=True` (for tests and engine checks; acceptance will be low).
     """
     import json
 
@@ -167,8 +179,10 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
     if kind not in ("hsd", "eagle", "sd"):
         raise ConfigError(f"drafter kind must be hsd, eagle or sd, got {kind!r}")
     if path is None and not random_init:
-        raise ModelLoadError(f"no {kind} drafter given and none is shipped yet: pass path=... "
-                             "(a trained drafter directory) or random_init=True")
+        path = shipped_drafter(kind, target)
+        if path is None:
+            raise ModelLoadError(f"no {kind} drafter given and none is shipped for {target.name!r}: pass "
+                                 "path=... (a trained drafter directory) or random_init=True")
     tcfg = target.config
     if path is not None:
         import orbax.checkpoint as ocp
@@ -219,11 +233,32 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
     return Drafter(kind, params, cfg, d2t, path)
 
 
+def _shard_args(args, mesh, target: Target, drafter, batch: int):
+    """Validate `mesh` for this target/drafter/batch and place the decode-loop arguments on it."""
+    from hsd_jax import sharding
+
+    sharding.check_mesh(target.config, mesh, batch, "target")
+    if drafter is not None and drafter.kind == "sd":
+        sharding.check_mesh(drafter.config, mesh, batch, "draft model")
+    params, rest = args[: len(args) - 3], args[-3:]
+    tokens, lengths, key = rest
+    placed = tuple(sharding.shard_params(p, mesh) for p in params[:2])
+    placed += tuple(sharding.replicate(p, mesh) for p in params[2:])
+    return placed + (sharding.shard_batch(tokens, mesh), sharding.shard_batch(lengths, mesh),
+                     sharding.replicate(key, mesh))
+
+
 def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False, method: str = "ar",
-             drafter=None, **options) -> list[GenerationResult]:
-    """Generate a continuation per prompt with one jitted decode loop; one result per prompt."""
-    from hsd_jax import engine
+             drafter=None, mesh=None, **options) -> list[GenerationResult]:
+    """Generate a continuation per prompt with one jitted decode loop; one result per prompt.
+
+    mesh: a `hsd_jax.sharding.make_mesh(data, model)` mesh to run on several devices: params
+    are placed into their shards (heads / MLP / vocab over `model`), prompts and KV caches over
+    `data` (the number of prompts must divide by it), and XLA partitions the loop. Pallas
+    tree attention then runs per shard under `jax.shard_map`.
+    """
+    from hsd_jax import engine, sharding
 
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -240,6 +275,10 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         unknown = set(options) - known
         if unknown:
             raise InputError(f"unknown options for method {method!r}: {', '.join(sorted(unknown))}")
+        if method in ("hsd", "eagle"):
+            from hsd_jax.tune import default_tree
+
+            options = dict(default_tree(), **options)
         spec = engine.SpecConfig(method=method, **options)
     elif options:
         raise InputError(f"unknown options for method 'ar': {', '.join(sorted(options))}")
@@ -264,10 +303,13 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         fn, args = engine.spec_generate, (target.params, drafter.params, d2t, tokens, lengths, key)
         static = dict(tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling,
                       max_new_tokens=int(max_new_tokens), capacity=capacity)
-    run, compile_s = compiled(fn, args, static)
-    t0 = time.perf_counter()
-    out = jax.device_get(run(*args))
-    elapsed = time.perf_counter() - t0
+    if mesh is not None:
+        args = _shard_args(args, mesh, target, drafter if spec is not None else None, len(ids))
+    with sharding.use_mesh(mesh):
+        run, compile_s = compiled(fn, args, static)
+        t0 = time.perf_counter()
+        out = sharding.fetch(run(*args))
+        elapsed = time.perf_counter() - t0
     results = []
     for i in range(len(ids)):
         n = int(out.num_tokens[i])

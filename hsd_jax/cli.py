@@ -133,12 +133,112 @@ def cmd_train(a) -> int:
     return 0
 
 
+def _add_bench(sub):
+    p = sub.add_parser("bench", help="methods side by side on a prompt suite: tau, tokens/s, speedup vs ar")
+    p.add_argument("--suite", default="mt_bench", help="mt_bench|humaneval|gsm8k|alpaca|sum|qa|spec_bench|PATH.jsonl")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--methods", default="ar,sd,eagle,hsd", help="comma list of ar,sd,eagle,hsd,hsd-noreuse,hsd-refresh")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--max-cache-len", type=int, default=2048)
+    p.add_argument("--tree-nodes", type=int, default=None)
+    p.add_argument("--tree-depth", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="tree branching")
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--drafter", action="append", default=[], metavar="KIND=PATH",
+                   help="drafter directory per kind, e.g. hsd=runs/x/drafter (default: the shipped ones)")
+    p.add_argument("--random-drafters", action="store_true", help="untrained drafters (engine checks only)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="write a figure")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(a) -> int:
+    from hsd_jax.bench import BenchError, format_table, machine_info, make_runner, method_spec, plot, run_bench
+    from hsd_jax.prompts import load_suite
+
+    names = [m.strip() for m in a.methods.split(",") if m.strip()]
+    for n in names:
+        method_spec(n)
+    if "ar" not in names:
+        names = ["ar"] + names
+    for name in ("batch_size", "max_new_tokens"):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.num_prompts is not None and a.num_prompts < 1:
+        raise UsageError(f"--num-prompts must be >= 1, got {a.num_prompts}")
+    if a.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {a.temperature}")
+    paths = {}
+    for item in a.drafter:
+        kind, _, path = item.partition("=")
+        if kind not in ("sd", "eagle", "hsd") or not path:
+            raise UsageError(f"--drafter expects KIND=PATH with KIND sd, eagle or hsd, got {item!r}")
+        paths[kind] = path
+    prompts = load_suite(a.suite, a.num_prompts)
+    from hsd_jax.api import load_drafter, load_target
+    from hsd_jax.tune import tree_options
+
+    target = load_target(a.model, max_cache_len=a.max_cache_len)
+    tree = tree_options(a.tree_nodes, a.tree_depth, a.top_k)
+    ids = [target.encode(p, chat=True) for p in prompts]
+    runners = {}
+    for name in names:
+        kind = method_spec(name)[0]
+        drafter = None
+        if kind != "ar":
+            drafter = load_drafter(kind, paths.get(kind), target=target, random_init=a.random_drafters)
+        runners[name] = make_runner(target, name, drafter, tree=tree, gamma=a.gamma, temperature=a.temperature,
+                                    max_new_tokens=a.max_new_tokens, seed=a.seed)
+    methods = run_bench(runners, ids, batch_size=a.batch_size, temperature=a.temperature)
+    result = {"suite": a.suite, "num_prompts": len(ids), "batch_size": a.batch_size, "temperature": a.temperature,
+              "max_new_tokens": a.max_new_tokens, "model": a.model, "tree": tree, "gamma": a.gamma,
+              "machine": machine_info(), "methods": methods}
+    print(format_table(methods))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if a.plot:
+        plot(result, a.plot)
+    return 0
+
+
+def _add_tune(sub):
+    p = sub.add_parser("tune", help="measure this hardware and pick the draft tree that maximises tokens/s")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--method", default="hsd", choices=["hsd", "eagle"])
+    p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
+    p.add_argument("--num-prompts", type=int, default=4, help="GSM8K-train prompts (never evaluation suites)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.set_defaults(func=cmd_tune)
+
+
+def cmd_tune(a) -> int:
+    if a.num_prompts < 1 or a.max_new_tokens < 1:
+        raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
+    from hsd_jax.api import load_drafter, load_target
+    from hsd_jax.train.data import gsm8k_questions
+    from hsd_jax.tune import tune
+
+    target = load_target(a.model)
+    drafter = load_drafter(a.method, a.drafter, target=target)
+    prompts = [target.encode(q, chat=True) for q in gsm8k_questions()[-a.num_prompts:]]
+    report = tune(target, drafter, prompts, max_new_tokens=a.max_new_tokens)
+    print(json.dumps({k: report[k] for k in ("hardware", "tree", "expected_tokens_per_s", "ar_tokens_per_s")}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsd", description="Hidden-State Speculative Decoding in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_data(sub)
     _add_train(sub)
+    _add_bench(sub)
+    _add_tune(sub)
     return parser
 
 
@@ -146,12 +246,15 @@ def main(argv=None) -> int:
     from hsd_jax.api import InputError
     from hsd_jax.config import ConfigError
     from hsd_jax.loading.errors import ModelLoadError
+    from hsd_jax.bench import BenchError
+    from hsd_jax.prompts import SuiteError
     from hsd_jax.train.data import DataError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, InputError, ConfigError, ModelLoadError, DataError, FileNotFoundError) as e:
+    except (UsageError, InputError, ConfigError, ModelLoadError, DataError, SuiteError, BenchError,
+            FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,162 @@
+"""`hsd bench`: methods side by side on real prompt suites, in one process.
+
+For every batch of prompts each method runs in turn (A B C D, A B C D, ...) so machine
+drift cancels; compilation and warm-up happen first and are reported separately.
+
+JSON schema (`--json OUT`):
+{
+  "suite", "num_prompts", "batch_size", "temperature", "max_new_tokens", "machine": {...},
+  "methods": {
+    "<name>": {
+      "tau": committed tokens per verify round, bonus included (aggregate),
+      "tokens_per_s": median over batches of new tokens / wall seconds,
+      "speedup_vs_ar": median over batches of (ar seconds per token) / (method seconds per token),
+      "identical_to_ar": true when every output equals ar's token for token (T = 0 only, else null),
+      "drafter_forwards_per_token": sequential drafter calls per new token,
+      "accepted_hist": rounds by number of accepted draft tokens,
+      "new_tokens", "rounds", "compile_seconds", "options"
+    }
+  }
+}
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from typing import Callable
+
+METHOD_NAMES = ("ar", "sd", "eagle", "hsd", "hsd-noreuse", "hsd-refresh")
+
+
+class BenchError(ValueError):
+    """Invalid benchmark request."""
+
+
+def method_spec(name: str) -> tuple[str, dict]:
+    """(engine method, options) of a bench method name."""
+    if name not in METHOD_NAMES:
+        raise BenchError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")
+    if name.startswith("hsd"):
+        return "hsd", {"reuse": {"hsd": "chain", "hsd-noreuse": "none", "hsd-refresh": "refresh"}[name]}
+    return name, {}
+
+
+def make_runner(target, name: str, drafter=None, *, tree: dict | None = None, gamma: int = 4,
+                temperature: float = 0.0, max_new_tokens: int = 128, seed: int = 0) -> Callable:
+    """A callable(batch of token-id prompts) -> list[GenerationResult] for one method."""
+    from hsd_jax.api import generate
+
+    method, options = method_spec(name)
+    if method in ("eagle", "hsd"):
+        options.update(tree or {})
+    elif method == "sd":
+        options["gamma"] = gamma
+
+    def run(ids):
+        return generate(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                        method=method, drafter=drafter, **options)
+
+    run.options = options
+    return run
+
+
+def machine_info() -> dict:
+    import jax
+
+    dev = jax.devices()[0]
+    return {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
+            "devices": jax.device_count(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "jax": jax.__version__}
+
+
+def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_size: int = 1,
+              temperature: float = 0.0, progress: bool = True) -> dict:
+    """Run every method on every batch of prompts, interleaved; returns the per-method summary."""
+    from tqdm import tqdm
+
+    if "ar" not in runners:
+        raise BenchError("the ar baseline must be among the methods (speedups are measured against it)")
+    if batch_size < 1 or not prompts:
+        raise BenchError("need batch_size >= 1 and at least one prompt")
+    batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    compile_s = {}
+    for name, run in runners.items():
+        res = run(batches[0])
+        compile_s[name] = res[0].stats["compile_seconds"]
+    per = {name: {"tokens": [], "seconds": [], "outputs": [], "rounds": 0, "dsteps": 0, "hist": []}
+           for name in runners}
+    bar = tqdm(total=len(batches) * len(runners), desc="bench", unit="run", disable=not progress)
+    for batch in batches:
+        for name, run in runners.items():
+            res = run(batch)
+            rec = per[name]
+            rec["tokens"].append(sum(r.stats["new_tokens"] for r in res))
+            rec["seconds"].append(res[0].stats["seconds"])
+            rec["outputs"].extend(r.token_ids for r in res)
+            rec["rounds"] += sum(r.stats["rounds"] for r in res)
+            rec["dsteps"] += sum(r.stats["drafter_forwards"] for r in res)
+            for r in res:
+                h = r.stats["accepted_hist"]
+                rec["hist"] = [a + b for a, b in zip(rec["hist"], h)] if rec["hist"] else list(h)
+            bar.update(1)
+    bar.close()
+    ar = per["ar"]
+    out = {}
+    for name, rec in per.items():
+        new = sum(rec["tokens"])
+        committed = new - len(rec["outputs"])
+        spt = [s / max(t, 1) for s, t in zip(rec["seconds"], rec["tokens"])]
+        ar_spt = [s / max(t, 1) for s, t in zip(ar["seconds"], ar["tokens"])]
+        out[name] = {
+            "tau": round(committed / rec["rounds"], 4) if rec["rounds"] else 1.0,
+            "tokens_per_s": round(statistics.median(t / s for t, s in zip(rec["tokens"], rec["seconds"])), 3),
+            "speedup_vs_ar": round(statistics.median(a / m for a, m in zip(ar_spt, spt)), 4),
+            "identical_to_ar": (rec["outputs"] == ar["outputs"]) if temperature == 0 else None,
+            "drafter_forwards_per_token": round(rec["dsteps"] / max(new, 1), 4),
+            "accepted_hist": rec["hist"],
+            "new_tokens": new,
+            "rounds": rec["rounds"],
+            "compile_seconds": round(compile_s[name], 2),
+            "options": getattr(runners[name], "options", {}),
+        }
+    return out
+
+
+def format_table(methods: dict) -> str:
+    """A markdown table of the summary."""
+    rows = ["| method | tau | tokens/s | speedup vs ar | identical to ar | drafter fwd / token |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for name, m in methods.items():
+        rows.append(f"| {name} | {m['tau']:.2f} | {m['tokens_per_s']:.1f} | {m['speedup_vs_ar']:.2f}x | "
+                    f"{m['identical_to_ar']} | {m['drafter_forwards_per_token']:.2f} |")
+    return "\n".join(rows)
+
+
+def plot(result: dict, path: str) -> None:
+    """Speedup and tau per method, and each method's accepted-length histogram."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = result["methods"]
+    names = list(methods)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].bar(names, [methods[n]["speedup_vs_ar"] for n in names], color="tab:blue")
+    axes[0].axhline(1.0, color="gray", lw=1)
+    axes[0].set_title("speedup vs ar (median)")
+    axes[1].bar(names, [methods[n]["tau"] for n in names], color="tab:green")
+    axes[1].set_title("tau (tokens per target forward)")
+    for n in names:
+        h = methods[n]["accepted_hist"]
+        if n != "ar" and sum(h):
+            axes[2].plot(range(len(h)), [x / sum(h) for x in h], marker="o", label=n)
+    axes[2].set_title("accepted draft tokens per round")
+    axes[2].set_xlabel("accepted")
+    axes[2].legend()
+    fig.suptitle(f"{result['suite']}: {result['num_prompts']} prompts, batch {result['batch_size']}, "
+                 f"T={result['temperature']}, {result['machine']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

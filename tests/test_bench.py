@@ -1,0 +1,81 @@
+"""hsd bench: schema and sane values on a tiny model, detection of non-identical outputs, suite errors."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hsd_jax import load_drafter
+from hsd_jax.bench import format_table, make_runner, run_bench
+from hsd_jax.prompts import SuiteError, load_suite
+from tests.helpers import tiny_target
+
+KEYS = {"tau", "tokens_per_s", "speedup_vs_ar", "identical_to_ar", "drafter_forwards_per_token", "accepted_hist"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_target(vocab=64)
+
+
+def test_bench_schema_and_values(tiny):
+    prompts = [[3, 9, 27, 17], [40, 2, 2, 8, 13, 1]]
+    tree = dict(tree_nodes=6, tree_depth=3, tree_top_k=2)
+    runners = {"ar": make_runner(tiny, "ar", max_new_tokens=16)}
+    for name in ("sd", "eagle", "hsd", "hsd-noreuse"):
+        kind = name.split("-")[0]
+        runners[name] = make_runner(tiny, name, load_drafter(kind, target=tiny, random_init=True), tree=tree,
+                                    gamma=3, max_new_tokens=16)
+    out = run_bench(runners, prompts, batch_size=1, progress=False)
+    assert set(out) == set(runners)
+    for name, m in out.items():
+        assert KEYS <= set(m)
+        assert m["identical_to_ar"] is True
+        assert m["tokens_per_s"] > 0 and m["speedup_vs_ar"] > 0 and m["new_tokens"] == 32
+        assert sum(m["accepted_hist"]) == m["rounds"]
+    assert out["ar"]["tau"] == 1.0 and out["ar"]["speedup_vs_ar"] == 1.0
+    assert out["hsd"]["drafter_forwards_per_token"] < out["hsd-noreuse"]["drafter_forwards_per_token"]
+    assert out["hsd-noreuse"]["options"]["reuse"] == "none"
+    assert "| hsd |" in format_table(out)
+
+
+def test_bench_detects_outputs_that_differ_from_ar(tiny):
+    ar = make_runner(tiny, "ar", max_new_tokens=8)
+
+    def wrong(ids):
+        res = ar(ids)
+        for r in res:
+            r.token_ids = r.token_ids[:-1] + [(r.token_ids[-1] + 1) % 64]
+        return res
+
+    out = run_bench({"ar": ar, "broken": wrong}, [[1, 2, 3], [4, 5]], progress=False)
+    assert out["ar"]["identical_to_ar"] is True and out["broken"]["identical_to_ar"] is False
+
+
+def test_suite_with_bad_line_is_rejected_with_line_number(tmp_path):
+    p = tmp_path / "suite.jsonl"
+    p.write_text('{"turns": ["Explain RoPE."]}\n{"prompt": "What is JAX?"}\n{"turns": []}\n')
+    with pytest.raises(SuiteError, match=r"suite.jsonl:3: expected a non-empty"):
+        load_suite(str(p))
+    p.write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(SuiteError, match=r"suite.jsonl:2: not valid JSON"):
+        load_suite(str(p))
+    assert load_suite("mt_bench", 3)[0].startswith("Compose an engaging travel blog post")
+    r = subprocess.run([sys.executable, "-m", "hsd_jax", "bench", "--suite", str(p), "--methods", "ar"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error:") and ":2:" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "hsd_jax", "bench", "--methods", "ar,medusa"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown method 'medusa'" in r.stderr
+
+
+def test_bench_cli_writes_json_and_plot(tmp_path):
+    out, fig = tmp_path / "b.json", tmp_path / "b.png"
+    r = subprocess.run([sys.executable, "-m", "hsd_jax", "bench", "--suite", "gsm8k", "--num-prompts", "1",
+                        "--methods", "ar,hsd", "--random-drafters", "--max-new-tokens", "6", "--json", str(out),
+                        "--plot", str(fig), "--tree-nodes", "4", "--tree-depth", "2", "--top-k", "2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["methods"]["hsd"]["identical_to_ar"] is True and res["tree"]["tree_nodes"] == 4
+    assert fig.stat().st_size > 10_000
