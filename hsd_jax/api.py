@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hsd_jax import sharding
 from hsd_jax.config import ConfigError, ModelConfig, SamplingConfig
 from hsd_jax.loading.errors import ModelLoadError
 
@@ -234,18 +235,15 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
 
 
 def _shard_args(args, mesh, target: Target, drafter, batch: int):
-    """Validate `mesh` for this target/drafter/batch and place the decode-loop arguments on it."""
-    from hsd_jax import sharding
-
+    """Validate `mesh` for this target/drafter/batch and place the decode-loop arguments on it:
+    target and drafter params by the partition rules, d2t and the key replicated, prompts over `data`."""
     sharding.check_mesh(target.config, mesh, batch, "target")
     if drafter is not None and drafter.kind == "sd":
         sharding.check_mesh(drafter.config, mesh, batch, "draft model")
-    params, rest = args[: len(args) - 3], args[-3:]
-    tokens, lengths, key = rest
-    placed = tuple(sharding.shard_params(p, mesh) for p in params[:2])
-    placed += tuple(sharding.replicate(p, mesh) for p in params[2:])
-    return placed + (sharding.shard_batch(tokens, mesh), sharding.shard_batch(lengths, mesh),
-                     sharding.replicate(key, mesh))
+    *weights, tokens, lengths, key = args
+    placed = [sharding.shard_params(w, mesh) for w in weights[:2]] + [sharding.replicate(w, mesh) for w in weights[2:]]
+    return (*placed, sharding.shard_batch(tokens, mesh), sharding.shard_batch(lengths, mesh),
+            sharding.replicate(key, mesh))
 
 
 def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -258,7 +256,7 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
     `data` (the number of prompts must divide by it), and XLA partitions the loop. Pallas
     tree attention then runs per shard under `jax.shard_map`.
     """
-    from hsd_jax import engine, sharding
+    from hsd_jax import engine
 
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -10,6 +10,9 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+from hsd_jax.sharding import constrain_cache
 
 
 @flax.struct.dataclass
@@ -29,16 +32,25 @@ class KVCache:
 
 def init_cache(num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int,
                dtype=jnp.float32) -> KVCache:
+    """An empty cache; under a mesh (`jax.set_mesh`) pinned to batch over `data`, KV heads over `model`."""
     shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+    return constrain_cache(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32)))
 
 
 def write_layer(cache_arr: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Write new [B, N, H_kv, D_h] entries of one layer at slots lengths[b] + i (out of range: dropped)."""
+    """Write new [B, N, H_kv, D_h] entries of one layer at slots lengths[b] + i (out of range: dropped).
+
+    One scatter with the batch as an explicit batching dimension, so XLA's partitioner keeps it
+    local to each `data` shard (a plain fancy-index scatter would all-gather the updates).
+    """
     b, n = new.shape[:2]
     slots = lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-    bidx = jnp.arange(b, dtype=jnp.int32)[:, None]
-    return cache_arr.at[layer, bidx, :, slots].set(new.astype(cache_arr.dtype), mode="drop")
+    idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (b, n)), slots], -1)
+    dims = lax.ScatterDimensionNumbers(update_window_dims=(2, 3), inserted_window_dims=(0, 3),
+                                       scatter_dims_to_operand_dims=(0, 3), operand_batching_dims=(1,),
+                                       scatter_indices_batching_dims=(0,))
+    return lax.scatter(cache_arr, idx, new.astype(cache_arr.dtype), dims, indices_are_sorted=True,
+                       unique_indices=True, mode=lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def advance(cache: KVCache, counts: jax.Array) -> KVCache:
@@ -53,14 +65,21 @@ def compact(cache: KVCache, src: jax.Array, counts: jax.Array) -> KVCache:
     lengths[b] + j) for j < counts[b]; later j are ignored. Offsets must be increasing, as an
     accepted tree path is (parents come before children). Lengths grow by counts.
     """
-    b, m = src.shape
+    m = src.shape[1]
     j = jnp.arange(m, dtype=jnp.int32)[None, :]
     live = j < counts[:, None]
     src_slot = cache.lengths[:, None] + jnp.where(live, src, j)
     dst_slot = jnp.where(live, cache.lengths[:, None] + j, cache.capacity)
-    bidx = jnp.arange(b, dtype=jnp.int32)[:, None]
 
-    def move(arr):
-        return arr.at[:, bidx, :, dst_slot].set(arr[:, bidx, :, src_slot], mode="drop")
+    l, _, h, _, d = cache.k.shape
+    gdims = lax.GatherDimensionNumbers(offset_dims=(2, 3, 4), collapsed_slice_dims=(3,), start_index_map=(3,),
+                                       operand_batching_dims=(1,), start_indices_batching_dims=(0,))
+    sdims = lax.ScatterDimensionNumbers(update_window_dims=(2, 3, 4), inserted_window_dims=(3,),
+                                        scatter_dims_to_operand_dims=(3,), operand_batching_dims=(1,),
+                                        scatter_indices_batching_dims=(0,))
+
+    def move(arr):  # batched gather + scatter: stays local to each `data` shard, as in write_layer
+        rows = lax.gather(arr, src_slot[..., None], gdims, (l, 1, h, 1, d), mode=lax.GatherScatterMode.CLIP)
+        return lax.scatter(arr, dst_slot[..., None], rows, sdims, mode=lax.GatherScatterMode.FILL_OR_DROP)
 
     return KVCache(move(cache.k), move(cache.v), cache.lengths + counts.astype(jnp.int32))

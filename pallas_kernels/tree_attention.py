@@ -356,10 +356,27 @@ def tree_attention(q, k_cache, v_cache, lengths, parents, *, sm_scale=None,
     already written at slots lengths[b] + i (lengths[b] + N <= S); lengths
     int32 [B]; parents int32 [B, N] (parent index among the new tokens, -1 for
     a root, parents[b, i] < i). Returns [B, Hq, N, Dh] in q's dtype.
-    impl: "reference" | "pallas" | "auto" (see ``resolve_attention_impl``).
+    impl: "reference" | "pallas" | "auto" (see ``resolve_attention_impl``). Under a
+    ``data``/``model`` mesh the Pallas kernel runs per shard (``_per_shard``).
     """
     impl = resolve_attention_impl(impl)
     if impl == "reference":
         return tree_attention_reference(q, k_cache, v_cache, lengths, parents, sm_scale=sm_scale)
-    return tree_attention_pallas(q, k_cache, v_cache, lengths, parents, sm_scale=sm_scale,
-                                 block_k=block_k, interpret=interpret)
+    kernel = functools.partial(tree_attention_pallas, sm_scale=sm_scale, block_k=block_k, interpret=interpret)
+    return _per_shard(kernel, q, k_cache, v_cache, lengths, parents)
+
+
+def _per_shard(kernel, q, k_cache, v_cache, lengths, parents):
+    """Run ``kernel`` once per shard when traced under a mesh (``jax.set_mesh``) with a ``data``
+    (batch) and/or ``model`` (heads) axis: a pallas_call has no partitioning rule, so XLA would
+    otherwise gather the whole cache onto every device. Batch must divide by ``data`` and
+    both head counts by ``model``; contiguous head blocks keep each GQA group on one shard."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    batch_ax = "data" if sizes.get("data", 1) > 1 else None
+    head_ax = "model" if sizes.get("model", 1) > 1 else None
+    if batch_ax is None and head_ax is None:
+        return kernel(q, k_cache, v_cache, lengths, parents)
+    heads, per_seq = jax.sharding.PartitionSpec(batch_ax, head_ax), jax.sharding.PartitionSpec(batch_ax)
+    return jax.shard_map(kernel, in_specs=(heads, heads, heads, per_seq, per_seq), out_specs=heads,
+                         check_vma=False)(q, k_cache, v_cache, lengths, parents)

@@ -193,13 +193,38 @@ def _sd_task(cfg: TrainConfig, target) -> dict:
     return dict(params=params, loss=loss, accept=accept, config=dcfg, d2t=None)
 
 
-def train(cfg: TrainConfig, *, target=None, progress: bool = True, log=print) -> dict:
-    """Run (or resume) a training run; returns the final held-out metrics."""
+def make_train_step(loss_fn, tx, example_state=None):
+    """The jitted optimizer step (state, batch, key) -> (state, metrics). Given a sharded
+    `example_state`, the new state keeps its shardings and metrics come back replicated."""
+    def step(state, batch, key):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, dict(metrics, loss=loss)
+
+    leaves = jax.tree.leaves(example_state)
+    if not leaves or not isinstance(leaves[0].sharding, jax.sharding.NamedSharding):
+        return jax.jit(step)
+    replicated = jax.sharding.NamedSharding(leaves[0].sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(step, out_shardings=(jax.tree.map(lambda x: x.sharding, example_state), replicated))
+
+
+def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, log=print) -> dict:
+    """Run (or resume) a training run; returns the final held-out metrics.
+
+    mesh (`hsd_jax.sharding.make_mesh`): the frozen target, the drafter and its optimizer state
+    are sharded by the partition rules and batches over `data` (batch_size must divide by it).
+    Only process 0 logs and writes the JSON files; checkpoint saves are collective.
+    """
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
+    from hsd_jax import sharding
     from hsd_jax.api import load_target, save_drafter
     from hsd_jax.models import drafter as dmod
+
+    primary = sharding.is_primary()
+    log = log if primary else (lambda *_: None)
+    progress = progress and primary
 
     if not os.path.isdir(cfg.data_dir) or not shard_paths(cfg.data_dir):
         raise DataError(f"no training data in {cfg.data_dir!r}: run `hsd data generate --out {cfg.data_dir}`")
@@ -209,16 +234,18 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True, log=print) ->
         cache_dir = cfg.feature_cache or os.path.join(cfg.out_dir, "features")
         build_feature_cache(target, cfg.data_dir, cache_dir, progress=progress)
     data = SequenceData(cfg.data_dir, cache_dir, cfg.window, cfg.holdout_fraction, cfg.seed)
+    place = lambda tree: tree
+    if mesh is not None:
+        sharding.check_mesh(target.config, mesh, cfg.batch_size, "target")
+        target = dataclasses.replace(target, params=sharding.shard_params(target.params, mesh))
+        place = lambda tree: jax.tree.map(lambda x: sharding.shard_batch(x, mesh), tree)
     task = _sd_task(cfg, target) if cfg.kind == "sd" else _feature_task(cfg, target, data)
     params = task["params"]
     tx = make_optimizer(cfg)
     state = {"params": params, "opt": tx.init(params)}
-
-    @jax.jit
-    def train_step(state, batch, key):
-        (loss, metrics), grads = jax.value_and_grad(task["loss"], has_aux=True)(state["params"], batch, key)
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, dict(metrics, loss=loss)
+    if mesh is not None:
+        state = sharding.shard_params(state, mesh)
+    train_step = make_train_step(task["loss"], tx, state if mesh is not None else None)
 
     eval_fn = jax.jit(task["accept"])
 
@@ -229,7 +256,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True, log=print) ->
             real = np.arange(cfg.batch_size) < len(idx)
             b = data.batch(np.resize(idx, cfg.batch_size))
             b = b._replace(valid=b.valid & real[:, None], chain_ok=b.chain_ok & real[:, None])
-            c, t, a, m = eval_fn(params, b)
+            c, t, a, m = eval_fn(params, place(b))
             corr, tot, acc_sum, n = corr + np.asarray(c), tot + np.asarray(t), acc_sum + int(a), n + int(m)
         return {"accept_by_depth": [round(float(x), 4) for x in corr / np.maximum(tot, 1)],
                 "chain_tau_estimate": round(1.0 + acc_sum / max(n, 1), 4), "heldout_chains": n}
@@ -242,8 +269,9 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True, log=print) ->
         start = mngr.latest_step()
         state = mngr.restore(start, args=ocp.args.StandardRestore(state))
         log(f"resumed from step {start}")
-    with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    if primary:
+        with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=1)
     history, losses_seen, t0 = [], [], time.time()
     if start == 0:
         history.append(dict(step=0, **evaluate(state["params"])))
@@ -252,7 +280,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True, log=print) ->
     for step in range(start, cfg.steps):
         rng = np.random.default_rng([cfg.seed, step])
         idx = rng.choice(data.train, size=cfg.batch_size, replace=len(data.train) < cfg.batch_size)
-        state, metrics = train_step(state, data.batch(idx), jax.random.fold_in(jax.random.key(cfg.seed), step))
+        state, metrics = train_step(state, place(data.batch(idx)), jax.random.fold_in(jax.random.key(cfg.seed), step))
         losses_seen.append(float(metrics["loss"]))
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             mngr.save(step + 1, args=ocp.args.StandardSave(state), force=step + 1 == cfg.steps)
@@ -271,9 +299,10 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True, log=print) ->
                  loss_last=round(float(np.mean(losses_seen[-k:])), 4) if losses_seen else None)
     half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state["params"])
     save_drafter(dmod.Drafter(cfg.kind, half, task["config"], task["d2t"]), os.path.join(cfg.out_dir, "drafter"))
-    seqs, plens = load_shards(cfg.data_dir)
-    with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as f:
-        json.dump({"final": final, "history": history, "train_tokens": int(sum(len(s) for s in seqs)),
-                   "response_tokens": int(sum(len(s) - p for s, p in zip(seqs, plens)))}, f, indent=1)
+    if primary:
+        seqs, plens = load_shards(cfg.data_dir)
+        with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as f:
+            json.dump({"final": final, "history": history, "train_tokens": int(sum(len(s) for s in seqs)),
+                       "response_tokens": int(sum(len(s) - p for s, p in zip(seqs, plens)))}, f, indent=1)
     log(f"final: {final}")
     return final
