@@ -43,7 +43,7 @@ def method_spec(name: str) -> tuple[str, dict]:
 
 
 def make_runner(target, name: str, drafter=None, *, tree: dict | None = None, gamma: int = 4,
-                temperature: float = 0.0, max_new_tokens: int = 128, seed: int = 0) -> Callable:
+                temperature: float = 0.0, max_new_tokens: int = 128, seed: int = 0, mesh=None) -> Callable:
     """A callable(batch of token-id prompts) -> list[GenerationResult] for one method."""
     from hsd_jax.api import generate
 
@@ -55,7 +55,7 @@ def make_runner(target, name: str, drafter=None, *, tree: dict | None = None, ga
 
     def run(ids):
         return generate(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                        method=method, drafter=drafter, **options)
+                        method=method, drafter=drafter, mesh=mesh, **options)
 
     run.options = options
     return run

@@ -35,7 +35,22 @@ def _add_generate(sub):
     p.add_argument("--top-k", type=int, default=4, help="tree branching: children per expanded node")
     p.add_argument("--gamma", type=int, default=4, help="sd: draft chain length")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    _add_mesh_arg(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _add_mesh_arg(p):
+    p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
+                   help="device mesh, e.g. 1x8 (tensor parallel) or 8x1 (data parallel); default one device")
+
+
+def _mesh(a):
+    """The --mesh DATAxMODEL device mesh, or None for one device."""
+    if a.mesh is None:
+        return None
+    from hsd_jax import sharding
+
+    return sharding.make_mesh(*sharding.parse_mesh(a.mesh))
 
 
 def _check_generate_args(a):
@@ -71,7 +86,7 @@ def cmd_generate(a) -> int:
             options["reuse"] = a.reuse
     res = generate(target, [a.prompt], max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                    top_k=a.sampling_top_k, top_p=a.top_p, seed=a.seed, chat=a.chat, method=a.method,
-                   drafter=drafter, **options)[0]
+                   drafter=drafter, mesh=_mesh(a), **options)[0]
     if a.json:
         s = res.stats
         print(json.dumps({"text": res.text, "new_tokens": s["new_tokens"], "token_ids": res.token_ids,
@@ -121,6 +136,7 @@ def _add_train(sub):
     p.add_argument("--config", required=True, help="YAML training config (configs/train/*.yaml)")
     p.add_argument("--steps", type=int, default=None, help="override the config's step count")
     p.add_argument("--out-dir", default=None, help="override the config's output directory")
+    _add_mesh_arg(p)
     p.set_defaults(func=cmd_train)
 
 
@@ -129,7 +145,11 @@ def cmd_train(a) -> int:
 
     cfg = TrainConfig.from_yaml(a.config, steps=a.steps, out_dir=a.out_dir)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    print(json.dumps(train(cfg)))
+    from hsd_jax.sharding import is_primary
+
+    final = train(cfg, mesh=_mesh(a))
+    if is_primary():
+        print(json.dumps(final))
     return 0
 
 
@@ -153,6 +173,7 @@ def _add_bench(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write a figure")
+    _add_mesh_arg(p)
     p.set_defaults(func=cmd_bench)
 
 
@@ -182,6 +203,7 @@ def cmd_bench(a) -> int:
     from hsd_jax.api import load_drafter, load_target
     from hsd_jax.tune import tree_options
 
+    mesh = _mesh(a)
     target = load_target(a.model, max_cache_len=a.max_cache_len)
     tree = tree_options(a.tree_nodes, a.tree_depth, a.top_k)
     ids = [target.encode(p, chat=True) for p in prompts]
@@ -192,7 +214,7 @@ def cmd_bench(a) -> int:
         if kind != "ar":
             drafter = load_drafter(kind, paths.get(kind), target=target, random_init=a.random_drafters)
         runners[name] = make_runner(target, name, drafter, tree=tree, gamma=a.gamma, temperature=a.temperature,
-                                    max_new_tokens=a.max_new_tokens, seed=a.seed)
+                                    max_new_tokens=a.max_new_tokens, seed=a.seed, mesh=mesh)
     methods = run_bench(runners, ids, batch_size=a.batch_size, temperature=a.temperature)
     result = {"suite": a.suite, "num_prompts": len(ids), "batch_size": a.batch_size, "temperature": a.temperature,
               "max_new_tokens": a.max_new_tokens, "model": a.model, "tree": tree, "gamma": a.gamma,
@@ -252,6 +274,9 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        from hsd_jax.sharding import maybe_initialize_distributed
+
+        maybe_initialize_distributed()
         return args.func(args)
     except (UsageError, InputError, ConfigError, ModelLoadError, DataError, SuiteError, BenchError,
             FileNotFoundError) as e:

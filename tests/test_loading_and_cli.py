@@ -66,6 +66,8 @@ def test_bad_config_values_are_refused():
     (["--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens"),
     (["--prompt", "hi", "--temperature", "-0.5"], "--temperature"),
     (["--prompt", "hi", "--model", "no-such-model"], "unknown model"),
+    (["--prompt", "hi", "--mesh", "2"], "DATAxMODEL"),
+    (["--prompt", "hi", "--mesh", "1x2"], "needs 2 devices"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(args, message):
     r = _hsd("generate", *args)
