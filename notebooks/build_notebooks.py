@@ -98,6 +98,51 @@ print("identical to ar:", [a.token_ids == b.token_ids for a, b in zip(ar, res)])
 print("tau:", [round(r.stats["tau"], 2) for r in res])'''),
 ])
 
+sharded = nb([
+    ("md", "# Sharded generation over all local devices\n\nA `(data, model)` mesh over every local device (8 TPU cores on Colab/Kaggle v2/v3/v5e-8; one device on a CPU): target and drafter weights split Megatron-style over `model`, prompts over `data`, and the whole speculative loop compiled once by XLA's SPMD partitioner."),
+    SETUP,
+    ("md", "## The mesh\nThe model axis must divide the attention heads and KV heads (SmolLM2: 9 heads, 3 KV heads), the data axis the number of prompts. We take the largest model axis that fits and put the rest on data."),
+    ("code", '''import jax, hsd_jax
+from hsd_jax import sharding
+target = hsd_jax.load_target("smollm2-135m")
+n = jax.local_device_count()
+model = max(m for m in range(1, n + 1) if n % m == 0 and target.config.num_kv_heads % m == 0 and target.config.num_heads % m == 0)
+mesh = sharding.make_mesh(data=n // model, model=model)
+print("devices:", n, "| mesh (data x model):", dict(mesh.shape))'''),
+    ("md", "## Generate with `ar` and `hsd` on the mesh"),
+    ("code", '''from hsd_jax.prompts import load_suite
+from hsd_jax.tune import default_tree
+batch = mesh.shape["data"] * (1 if SMALL else 2)
+prompts = load_suite("mt_bench", batch)
+MAX_NEW = 12 if SMALL else 128
+try:
+    drafter = hsd_jax.load_drafter("hsd", target=target)
+except hsd_jax.ModelLoadError:
+    drafter = hsd_jax.load_drafter("hsd", target=target, random_init=True)
+runs = {}
+for method, kw in [("ar", {}), ("hsd", dict(drafter=drafter, **default_tree()))]:
+    hsd_jax.generate(target, prompts, max_new_tokens=4, chat=True, method=method, mesh=mesh, **kw)
+    runs[method] = hsd_jax.generate(target, prompts, max_new_tokens=MAX_NEW, chat=True, method=method, mesh=mesh, **kw)
+print("identical to ar:", all(a.token_ids == b.token_ids for a, b in zip(runs["ar"], runs["hsd"])))
+for m, res in runs.items():
+    tps = sum(r.stats["new_tokens"] for r in res) / res[0].stats["seconds"]
+    tau = sum(r.stats["new_tokens"] - 1 for r in res) / max(1, sum(r.stats["rounds"] for r in res))
+    print(f"{m:4s} {tps:7.1f} tok/s  tau {tau:.2f}")'''),
+    ("md", "## Memory per device\nBytes of the target's weights each device holds after sharding (and the runtime's own numbers where the backend reports them)."),
+    ("code", '''import collections
+import matplotlib.pyplot as plt
+placed = sharding.shard_params(target.params, mesh)
+per_dev = collections.Counter()
+for leaf in jax.tree.leaves(placed):
+    for shard in leaf.addressable_shards:
+        per_dev[str(shard.device)] += shard.data.nbytes
+for d in jax.local_devices():
+    stats = d.memory_stats() or {}
+    print(d, f"weights {per_dev[str(d)] / 2**20:.1f} MiB", f"| in use {stats.get('bytes_in_use', 0) / 2**20:.0f} MiB" if stats else "")
+plt.bar(range(len(per_dev)), [v / 2**20 for v in per_dev.values()]); plt.xlabel("device"); plt.ylabel("MiB of weights"); plt.show()'''),
+])
+
 HERE = __import__("os").path.dirname(__file__)
 nbf.write(quick, f"{HERE}/quickstart.ipynb")
 nbf.write(train, f"{HERE}/train_drafter.ipynb")
+nbf.write(sharded, f"{HERE}/sharded_generate.ipynb")
