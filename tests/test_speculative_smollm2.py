@@ -29,11 +29,13 @@ def test_smollm2_speculative_greedy_equals_ar(smol, smol_prompts, smol_ar, metho
     assert [r.token_ids for r in res] == smol_ar
 
 
-def test_cli_speculative_json_and_missing_drafter():
+def test_cli_speculative_json_and_missing_drafter(tmp_path):
     cmd = [sys.executable, "-m", "hsd_jax", "generate", "--prompt", "Name three primary colors.", "--chat",
            "--max-new-tokens", "8", "--method", "hsd"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "random_init" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run(cmd + ["--drafter", str(tmp_path / "none")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: drafter directory not found: {tmp_path / 'none'}"]
+    r = subprocess.run(cmd + ["--drafter", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "not a drafter directory" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = subprocess.run(cmd + ["--random-drafter", "--reuse", "none", "--json"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
