@@ -210,8 +210,8 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         compute = jnp.bfloat16 if tcfg.dtype == "bfloat16" else jnp.float32
         params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
         if kind == "sd":
-            shared = {k: target.params[k] for k in ("embed_tokens", "lm_head") if k in target.params}
-            params = dict(shared, **params)
+            needed = ("embed_tokens",) if cfg.tie_word_embeddings else ("embed_tokens", "lm_head")
+            params = dict({k: target.params[k] for k in needed if k not in params}, **params)
     elif kind == "sd":
         defaults = dict(vocab_size=tcfg.vocab_size, hidden_size=max(tcfg.hidden_size // 2, 16),
                         intermediate_size=max(tcfg.intermediate_size // 2, 32), num_layers=2,
