@@ -26,7 +26,7 @@ import platform
 import statistics
 from typing import Callable
 
-METHOD_NAMES = ("ar", "sd", "eagle", "hsd", "hsd-noreuse", "hsd-refresh")
+METHOD_NAMES = ("ar", "sd", "eagle", "hsd", "hsd-noreuse", "hsd-chain")
 
 
 class BenchError(ValueError):
@@ -38,7 +38,7 @@ def method_spec(name: str) -> tuple[str, dict]:
     if name not in METHOD_NAMES:
         raise BenchError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")
     if name.startswith("hsd"):
-        return "hsd", {"reuse": {"hsd": "chain", "hsd-noreuse": "none", "hsd-refresh": "refresh"}[name]}
+        return "hsd", {"reuse": {"hsd": "refresh", "hsd-noreuse": "none", "hsd-chain": "chain"}[name]}
     return name, {}
 
 

@@ -25,8 +25,9 @@ def _add_generate(sub):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--attention-impl", choices=["auto", "pallas", "reference"], default="auto")
     p.add_argument("--method", default="ar", choices=["ar", "sd", "eagle", "hsd"], help="decoding method")
-    p.add_argument("--reuse", default="chain", choices=["none", "chain", "refresh"],
-                   help="hsd: what to keep of the drafter's hidden-state chain after a rejection")
+    p.add_argument("--reuse", default="refresh", choices=["none", "chain", "refresh"],
+                   help="hsd: after a rejection, recompute the chain (none), keep the stale chain (chain), or "
+                        "re-anchor it on the verified features and keep the deeper states (refresh, default)")
     p.add_argument("--drafter", default=None, help="drafter directory (written by hsd_jax.save_drafter)")
     p.add_argument("--random-drafter", action="store_true",
                    help="use an untrained random drafter (engine checks only: acceptance is low)")
@@ -157,7 +158,7 @@ def _add_bench(sub):
     p = sub.add_parser("bench", help="methods side by side on a prompt suite: tau, tokens/s, speedup vs ar")
     p.add_argument("--suite", default="mt_bench", help="mt_bench|humaneval|gsm8k|alpaca|sum|qa|spec_bench|PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--methods", default="ar,sd,eagle,hsd", help="comma list of ar,sd,eagle,hsd,hsd-noreuse,hsd-refresh")
+    p.add_argument("--methods", default="ar,sd,eagle,hsd", help="comma list of ar,sd,eagle,hsd,hsd-noreuse,hsd-chain")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128)

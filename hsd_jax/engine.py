@@ -101,7 +101,7 @@ class SpecConfig:
     """Static shape of a speculative round. `tree_nodes` counts draft nodes (the root excluded)."""
 
     method: str = "hsd"
-    reuse: str = "chain"
+    reuse: str = "refresh"
     tree_nodes: int = 10
     tree_depth: int = 4
     tree_top_k: int = 4

@@ -1,0 +1,27 @@
+"""The trained drafters shipped for SmolLM2-135M load by default, stay lossless and beat tau = 1."""
+import os
+
+import pytest
+
+from hsd_jax import generate, load_drafter
+from hsd_jax.api import SHIPPED_DRAFTERS
+
+SHIPPED = sorted(k for k in ("hsd", "eagle", "sd")
+                 if os.path.isfile(os.path.join(SHIPPED_DRAFTERS, "smollm2-135m", k, "drafter.json")))
+
+
+def test_hsd_drafter_is_shipped():
+    assert "hsd" in SHIPPED
+    assert os.path.isfile(os.path.join(SHIPPED_DRAFTERS, "smollm2-135m", "hsd", "MODEL_CARD.md"))
+
+
+@pytest.mark.parametrize("kind", SHIPPED)
+def test_shipped_drafter_is_lossless_and_accepts(smol, mt_prompts, kind):
+    drafter = load_drafter(kind, target=smol)
+    assert drafter.path.endswith(os.path.join("smollm2-135m", kind))
+    ids = [smol.encode(mt_prompts[i], chat=True) for i in (3, 7)]
+    ref = [r.token_ids for r in generate(smol, ids, max_new_tokens=48)]
+    res = generate(smol, ids, max_new_tokens=48, method=kind, drafter=drafter)
+    assert [r.token_ids for r in res] == ref
+    rounds = sum(r.stats["rounds"] for r in res)
+    assert sum(r.stats["new_tokens"] - 1 for r in res) / rounds > 1.25  # random drafters: about 1.0
