@@ -54,8 +54,11 @@ def default_dtype() -> str:
 
 def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_cache_len: int = 2048,
                 attention_impl: str = "auto", feature_layers: Sequence[int] = (),
-                tokenizer: bool = True) -> Target:
-    """Load the embedded default (`smollm2-135m`), a .gguf file or a Hugging Face directory."""
+                tokenizer: bool = True, mesh=None) -> Target:
+    """Load the embedded default (`smollm2-135m`), a .gguf file or a Hugging Face directory.
+
+    With a `mesh`, weights go from host memory straight into their shards (partition rules of
+    `hsd_jax.sharding`), never whole onto one device."""
     from hsd_jax.loading.gguf_loader import DEFAULT_MODEL, default_gguf_path, load_gguf
     from hsd_jax.loading.hf import load_hf_dir
     from hsd_jax.loading.tokenizer import load_tokenizer
@@ -73,9 +76,12 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
                              "or a Hugging Face model directory")
     loader = load_gguf if path.endswith(".gguf") else load_hf_dir
     try:
-        cfg, params = loader(path, **overrides)
+        cfg, params = loader(path, host=mesh is not None, **overrides)
     except ConfigError as e:
         raise ModelLoadError(f"{path}: {e}") from None
+    if mesh is not None:
+        sharding.check_mesh(cfg, mesh, None, "target")
+        params = sharding.shard_params(params, mesh)
     tok = load_tokenizer(path) if tokenizer else None
     if tok is not None and tok.eos_token_id is not None and tok.eos_token_id not in cfg.eos_token_ids:
         cfg = cfg.replace(eos_token_ids=cfg.eos_token_ids + (int(tok.eos_token_id),))

@@ -49,9 +49,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str) -> dict:
-    """Assemble params from `get(hf_name) -> array`, checking every shape against the config."""
+def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str, host: bool = False) -> dict:
+    """Assemble params from `get(hf_name) -> array`, checking every shape against the config.
+
+    host=True keeps them as host numpy arrays, so a mesh can place each slice straight into
+    its device (`sharding.shard_params`) without a full copy on one device first."""
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    asarray = (lambda a, dt: np.asarray(a, dt)) if host else jnp.asarray
     shapes = expected_shapes(cfg)
 
     def fetch(name):
@@ -71,12 +75,12 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str
         node = layers
         for p in path[:-1]:
             node = node.setdefault(p, {})
-        node[path[-1]] = jnp.asarray(stacked, dtype)
+        node[path[-1]] = asarray(stacked, dtype)
     params = {
-        "embed_tokens": {"embedding": jnp.asarray(fetch("model.embed_tokens.weight"), dtype)},
+        "embed_tokens": {"embedding": asarray(fetch("model.embed_tokens.weight"), dtype)},
         "layers": layers,
-        "norm": {"scale": jnp.asarray(fetch("model.norm.weight"), dtype)},
+        "norm": {"scale": asarray(fetch("model.norm.weight"), dtype)},
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = {"kernel": jnp.asarray(fetch("lm_head.weight").T, dtype)}
+        params["lm_head"] = {"kernel": asarray(fetch("lm_head.weight").T, dtype)}
     return params

@@ -91,7 +91,7 @@ def gguf_config(reader, path: str, **overrides) -> ModelConfig:
     )
 
 
-def load_gguf(path: str, **overrides) -> tuple[ModelConfig, dict]:
+def load_gguf(path: str, host: bool = False, **overrides) -> tuple[ModelConfig, dict]:
     """Config and dequantized params of a llama GGUF file."""
     import gguf
 
@@ -121,4 +121,4 @@ def load_gguf(path: str, **overrides) -> tuple[ModelConfig, dict]:
             w = _unpermute(w, cfg.num_kv_heads)
         return w
 
-    return cfg, build_params(cfg, get, path)
+    return cfg, build_params(cfg, get, path, host)

@@ -81,7 +81,7 @@ def _tensor_files(path: str) -> dict[str, str]:
     return {k: single for k in safe_open(single, framework="flax").keys()}
 
 
-def load_hf_dir(path: str, **overrides) -> tuple[ModelConfig, dict]:
+def load_hf_dir(path: str, host: bool = False, **overrides) -> tuple[ModelConfig, dict]:
     """Config and params of a HF LLaMA/Qwen2/Mistral directory."""
     from safetensors import safe_open
 
@@ -101,4 +101,4 @@ def load_hf_dir(path: str, **overrides) -> tuple[ModelConfig, dict]:
             handles[fname] = safe_open(fname, framework="flax")
         return np.asarray(handles[fname].get_tensor(name).astype("float32"))
 
-    return cfg, build_params(cfg, get, path)
+    return cfg, build_params(cfg, get, path, host)
