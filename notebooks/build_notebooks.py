@@ -29,13 +29,21 @@ quick = nb([
     ("code", '''import jax, hsd_jax
 from hsd_jax.tune import default_tree, hardware_key
 MODEL = os.environ.get("HSD_MODEL", "smollm2-135m")
+from hsd_jax import sharding
 target = hsd_jax.load_target(MODEL)
 tree = default_tree()
-print("backend:", jax.default_backend(), "| devices:", jax.device_count(), "| hardware:", hardware_key())
+n = jax.device_count()
+# one device: no mesh; several (e.g. 8 TPU cores): model axis = the largest that divides the heads, rest data
+model = max(m for m in range(1, n + 1) if n % m == 0 and target.config.num_heads % m == 0
+            and target.config.num_kv_heads % m == 0)
+mesh = sharding.make_mesh(data=n // model, model=model) if n > 1 else None
+print("backend:", jax.default_backend(), "| devices:", n, "| hardware:", hardware_key(),
+      "| mesh:", dict(mesh.shape) if mesh else None)
 print("dtype:", target.config.dtype, "| tree:", tree)'''),
     ("md", "## Generate: `ar` vs `hsd`\nReal MT-bench prompts (turn 1) through the chat template. At temperature 0 both methods must produce the same tokens: speculative decoding is lossless."),
     ("code", '''from hsd_jax.prompts import load_suite
-prompts = load_suite("mt_bench", 2 if SMALL else 8)
+data = mesh.shape["data"] if mesh else 1
+prompts = load_suite("mt_bench", data * (2 if SMALL else 8))
 MAX_NEW = 16 if SMALL else 128
 try:
     drafter = hsd_jax.load_drafter("hsd", target=target)          # the shipped, trained drafter
@@ -44,8 +52,7 @@ except hsd_jax.ModelLoadError as e:
     drafter = hsd_jax.load_drafter("hsd", target=target, random_init=True)
 runs = {}
 for method, kw in [("ar", {}), ("hsd", dict(drafter=drafter, **tree))]:
-    hsd_jax.generate(target, prompts[:1], max_new_tokens=4, chat=True, method=method, **kw)   # compile
-    runs[method] = hsd_jax.generate(target, prompts, max_new_tokens=MAX_NEW, chat=True, method=method, **kw)
+    runs[method] = hsd_jax.generate(target, prompts, max_new_tokens=MAX_NEW, chat=True, method=method, mesh=mesh, **kw)
 same = all(a.token_ids == b.token_ids for a, b in zip(runs["ar"], runs["hsd"]))
 print("identical outputs:", same)
 print(runs["hsd"][0].text[:400])'''),
@@ -121,7 +128,6 @@ except hsd_jax.ModelLoadError:
     drafter = hsd_jax.load_drafter("hsd", target=target, random_init=True)
 runs = {}
 for method, kw in [("ar", {}), ("hsd", dict(drafter=drafter, **default_tree()))]:
-    hsd_jax.generate(target, prompts, max_new_tokens=4, chat=True, method=method, mesh=mesh, **kw)
     runs[method] = hsd_jax.generate(target, prompts, max_new_tokens=MAX_NEW, chat=True, method=method, mesh=mesh, **kw)
 print("identical to ar:", all(a.token_ids == b.token_ids for a, b in zip(runs["ar"], runs["hsd"])))
 for m, res in runs.items():

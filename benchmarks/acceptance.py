@@ -1,0 +1,53 @@
+"""Acceptance (tau) of the shipped drafters with the engine on a real suite, batched for speed.
+
+tau does not depend on batching, so all prompts run as one batch per method; wall time is not
+the point here (use `hsd bench` for speed). Every method's output is checked against ar's.
+
+    python benchmarks/acceptance.py --suite mt_bench --num-prompts 80 --max-new-tokens 128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", default="mt_bench")
+    ap.add_argument("--num-prompts", type=int, default=80)
+    ap.add_argument("--batch-size", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--methods", default="hsd,hsd-noreuse,hsd-chain,eagle,sd")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from hsd_jax import generate, load_drafter, load_target
+    from hsd_jax.bench import method_spec
+    from hsd_jax.prompts import load_suite
+    from hsd_jax.tune import default_tree
+
+    target = load_target()
+    ids = [target.encode(p, chat=True) for p in load_suite(args.suite, args.num_prompts)]
+    batches = [ids[i: i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
+    ar = [r.token_ids for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens)]
+    out = {"suite": args.suite, "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "tree": default_tree(),
+           "methods": {}}
+    for name in args.methods.split(","):
+        kind, opts = method_spec(name)
+        drafter = load_drafter(kind, target=target)
+        res = [r for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens, method=kind,
+                                                    drafter=drafter, **opts)]
+        rounds = sum(r.stats["rounds"] for r in res)
+        new = sum(r.stats["new_tokens"] for r in res)
+        hist = [sum(r.stats["accepted_hist"][i] for r in res) for i in range(len(res[0].stats["accepted_hist"]))]
+        out["methods"][name] = {"tau": round((new - len(res)) / rounds, 3), "rounds": rounds, "new_tokens": new,
+                                "drafter_forwards_per_token": round(sum(r.stats["drafter_forwards"] for r in res) / new, 3),
+                                "accepted_hist": hist, "identical_to_ar": [r.token_ids for r in res] == ar}
+        print(name, out["methods"][name], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
