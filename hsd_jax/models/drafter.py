@@ -20,18 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hsd_jax.config import ConfigError, ModelConfig
+from hsd_jax.config import ModelConfig, _require
 from hsd_jax.models import llama
 from hsd_jax.models.layers import rms_norm
 
 KINDS = ("hsd", "eagle")
 INJECTIONS = ("fused", "additive")
 READOUTS = ("plain", "fused")
-
-
-def _require(cond, msg):
-    if not cond:
-        raise ConfigError(msg)
 
 
 @dataclasses.dataclass(frozen=True)
