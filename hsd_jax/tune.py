@@ -52,6 +52,12 @@ def default_tree() -> dict:
     return dict(DEFAULT_TREES.get(jax.default_backend(), DEFAULT_TREES["gpu"]))
 
 
+def default_reuse() -> str:
+    """The HSD reuse policy `hsd tune` measured fastest on this hardware, else `refresh`."""
+    tuned = load_tuned()
+    return tuned.get("reuse", "refresh") if tuned else "refresh"
+
+
 def tree_options(nodes: int | None = None, depth: int | None = None, top_k: int | None = None) -> dict:
     """Tree options with anything not given taken from `default_tree()`."""
     tree = default_tree()
@@ -92,43 +98,98 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64), con
 
 
 def candidate_trees(max_nodes: int = 64) -> list[dict]:
-    """A small grid of valid (nodes, depth, top-k) trees up to max_nodes draft nodes."""
-    grid = []
-    for depth in (2, 3, 4, 5, 6):
-        for k in (1, 2, 3, 4, 8):
-            for nodes in (2, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+    """A small grid of draft trees up to max_nodes nodes: chains, and trees of branching 2, 4 and
+    (for wide budgets) 8 that are at most k nodes wide per level on average."""
+    grid = [dict(tree_nodes=d, tree_depth=d, tree_top_k=1) for d in range(1, 7) if d <= max_nodes]
+    for depth in range(1, 7):
+        for k in (2, 4, 8):
+            for nodes in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
                 most = k + (depth - 1) * k * k
-                if depth <= nodes <= min(most, max_nodes) and (k > 1 or nodes == depth):
+                if (depth < nodes <= min(most, max_nodes) and nodes <= k * depth
+                        and (k != 4 or nodes > 2 * depth) and (k != 8 or nodes >= 16)):
                     grid.append(dict(tree_nodes=nodes, tree_depth=depth, tree_top_k=k))
     return grid
 
 
-def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None = None, max_new_tokens: int = 64,
-         log=print) -> dict:
-    """Measure, pick the fastest tree, write `hsd_jax/tuned/<hardware>.json`; returns the report."""
+def _timed(target, prompts, max_new_tokens, **kw) -> tuple[int, int, float]:
+    """(new tokens, rounds, seconds) over `prompts` run one at a time (batch 1). The first prompt
+    runs once untimed: compilation and first-run costs stay out."""
     from hsd_jax.api import generate
 
+    generate(target, prompts[:1], max_new_tokens=max_new_tokens, **kw)
+    new = rounds = 0
+    seconds = 0.0
+    for p in prompts:
+        r = generate(target, [p], max_new_tokens=max_new_tokens, **kw)[0]
+        new, rounds, seconds = new + r.stats["new_tokens"], rounds + r.stats["rounds"], seconds + r.stats["seconds"]
+    return new, rounds, seconds
+
+
+def _interleaved(target, prompts, max_new_tokens, variants: dict[str, dict]) -> dict[str, dict]:
+    """Every variant on every prompt in turn (A B C, A B C, ...) so machine drift cancels; speedup
+    is the median over prompts of (ar seconds / variant seconds), ar being variant `ar`."""
+    from hsd_jax.api import generate
+
+    for kw in variants.values():
+        generate(target, prompts[:1], max_new_tokens=max_new_tokens, **kw)
+    per = {name: [] for name in variants}
+    for p in prompts:
+        for name, kw in variants.items():
+            r = generate(target, [p], max_new_tokens=max_new_tokens, **kw)[0]
+            per[name].append((r.stats["new_tokens"], r.stats["rounds"], r.stats["seconds"]))
+    out = {}
+    for name, runs in per.items():
+        new, rounds, secs = (sum(x) for x in zip(*runs))
+        ratios = [(a[2] / a[0]) / (m[2] / m[0]) for a, m in zip(per["ar"], runs)]
+        out[name] = dict(tau=round((new - len(runs)) / max(rounds, 1), 3), tokens_per_s=round(new / secs, 2),
+                         speedup_vs_ar=round(statistics.median(ratios), 3))
+    return out
+
+
+def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None = None, max_new_tokens: int = 64,
+         finalists: int = 4, log=print) -> dict:
+    """Pick the tree (and for HSD the reuse policy) with the most tokens/s at batch 1; write
+    `hsd_jax/tuned/<hardware>.json`; returns the report.
+
+    Stage 1 runs every tree of the grid on the first half of `prompts` (at least 2); stage 2
+    reruns the `finalists` fastest trees (x every reuse policy for HSD) interleaved with ar on
+    all `prompts`, and the median speedup over prompts decides."""
     curve = verify_cost_curve(target)
     log("verify cost (ms) by new tokens: " + ", ".join(f"{n}:{ms:.1f}" for n, ms in curve.items()))
     max_nodes = max(n for n, ms in curve.items() if ms <= 3 * curve[1]) - 1
     grid = grid or candidate_trees(max(max_nodes, 2))
+    kw = dict(method=drafter.kind, drafter=drafter)
+    first = prompts[: max(2, len(prompts) // 2)]
+    log(f"stage 1: {len(grid)} trees up to {max(max_nodes, 2)} nodes on {len(first)} prompts")
     rows = []
     for tree in grid:
-        generate(target, prompts[:1], max_new_tokens=8, method=drafter.kind, drafter=drafter, **tree)
-        res = generate(target, prompts, max_new_tokens=max_new_tokens, method=drafter.kind, drafter=drafter, **tree)
-        new = sum(r.stats["new_tokens"] for r in res)
-        rounds = sum(r.stats["rounds"] for r in res)
-        tps = new / res[0].stats["seconds"]
-        rows.append(dict(tree, tau=round((new - len(res)) / max(rounds, 1), 3), tokens_per_s=round(tps, 2)))
-        log(f"{tree}: tau {rows[-1]['tau']:.2f}, {tps:.1f} tok/s")
-    best = max(rows, key=lambda r: r["tokens_per_s"])
-    ar = generate(target, prompts, max_new_tokens=max_new_tokens)
-    ar_tps = sum(r.stats["new_tokens"] for r in ar) / ar[0].stats["seconds"]
-    report = {"hardware": hardware_key(), "tree": {k: best[k] for k in ("tree_nodes", "tree_depth", "tree_top_k")},
-              "expected_tokens_per_s": best["tokens_per_s"], "ar_tokens_per_s": round(ar_tps, 2),
-              "verify_cost_ms": curve, "grid": rows, "drafter": drafter.path, "method": drafter.kind}
+        new, rounds, secs = _timed(target, first, max_new_tokens, **kw, **tree)
+        rows.append(dict(tree, tau=round((new - len(first)) / max(rounds, 1), 3), tokens_per_s=round(new / secs, 2)))
+        log(f"{tree}: tau {rows[-1]['tau']:.2f}, {rows[-1]['tokens_per_s']:.1f} tok/s")
+    keys = ("tree_nodes", "tree_depth", "tree_top_k")
+    top = [{k: r[k] for k in keys} for r in sorted(rows, key=lambda r: -r["tokens_per_s"])[:finalists]]
+    policies = ("none", "refresh", "chain") if drafter.kind == "hsd" else (None,)
+    variants = {"ar": {}}
+    for tree in top:
+        for reuse in policies:
+            name = "/".join(str(tree[k]) for k in keys) + (f" {reuse}" if reuse else "")
+            variants[name] = dict(kw, **tree, **({"reuse": reuse} if reuse else {}))
+    log(f"stage 2: {len(variants) - 1} finalists interleaved with ar on {len(prompts)} prompts")
+    final = _interleaved(target, prompts, max_new_tokens, variants)
+    for name, m in final.items():
+        log(f"{name}: tau {m['tau']:.2f}, {m['tokens_per_s']:.1f} tok/s, {m['speedup_vs_ar']:.2f}x ar")
+    best = max((n for n in final if n != "ar"), key=lambda n: final[n]["speedup_vs_ar"])
+    choice = variants[best]
+    report = {"hardware": hardware_key(), "tree": {k: choice[k] for k in keys},
+              "expected_tokens_per_s": final[best]["tokens_per_s"], "ar_tokens_per_s": final["ar"]["tokens_per_s"],
+              "expected_speedup": final[best]["speedup_vs_ar"], "verify_cost_ms": curve, "grid": rows,
+              "finalists": final, "drafter": drafter.path, "method": drafter.kind, "num_prompts": len(prompts),
+              "max_new_tokens": max_new_tokens}
+    if "reuse" in choice:
+        report["reuse"] = choice["reuse"]
     os.makedirs(TUNED_DIR, exist_ok=True)
     with open(os.path.join(TUNED_DIR, f"{report['hardware']}.json"), "w") as f:
         json.dump(report, f, indent=1)
-    log(f"best: {report['tree']} at {best['tokens_per_s']:.1f} tok/s (ar {ar_tps:.1f} tok/s), tau {best['tau']:.2f}")
+    log(f"best: {best} at {final[best]['tokens_per_s']:.1f} tok/s vs ar {final['ar']['tokens_per_s']:.1f} tok/s "
+        f"({final[best]['speedup_vs_ar']:.2f}x), tau {final[best]['tau']:.2f}")
     return report

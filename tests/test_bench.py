@@ -22,7 +22,7 @@ def test_bench_schema_and_values(tiny):
     prompts = [[3, 9, 27, 17], [40, 2, 2, 8, 13, 1]]
     tree = dict(tree_nodes=6, tree_depth=3, tree_top_k=2)
     runners = {"ar": make_runner(tiny, "ar", max_new_tokens=16)}
-    for name in ("sd", "eagle", "hsd", "hsd-noreuse"):
+    for name in ("sd", "eagle", "hsd-refresh", "hsd-noreuse"):
         kind = name.split("-")[0]
         runners[name] = make_runner(tiny, name, load_drafter(kind, target=tiny, random_init=True), tree=tree,
                                     gamma=3, max_new_tokens=16)
@@ -34,9 +34,9 @@ def test_bench_schema_and_values(tiny):
         assert m["tokens_per_s"] > 0 and m["speedup_vs_ar"] > 0 and m["new_tokens"] == 32
         assert sum(m["accepted_hist"]) == m["rounds"]
     assert out["ar"]["tau"] == 1.0 and out["ar"]["speedup_vs_ar"] == 1.0
-    assert out["hsd"]["drafter_forwards_per_token"] < out["hsd-noreuse"]["drafter_forwards_per_token"]
+    assert out["hsd-refresh"]["drafter_forwards_per_token"] < out["hsd-noreuse"]["drafter_forwards_per_token"]
     assert out["hsd-noreuse"]["options"]["reuse"] == "none"
-    assert "| hsd |" in format_table(out)
+    assert "| hsd-refresh |" in format_table(out)
 
 
 def test_bench_detects_outputs_that_differ_from_ar(tiny):

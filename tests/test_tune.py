@@ -1,0 +1,56 @@
+"""hsd tune: measures, picks the fastest tree and reuse policy, and generate then uses them."""
+import json
+
+import pytest
+
+from hsd_jax import generate, load_drafter, tune
+from tests.helpers import tiny_target
+
+
+@pytest.fixture
+def tuned_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(tune, "TUNED_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_candidate_trees_are_valid_and_bounded():
+    from hsd_jax.engine import SpecConfig
+
+    for max_nodes in (2, 8, 47):
+        grid = tune.candidate_trees(max_nodes)
+        assert grid and all(t["tree_nodes"] <= max_nodes for t in grid)
+        assert len({tuple(sorted(t.items())) for t in grid}) == len(grid)
+        for t in grid:
+            SpecConfig(method="hsd", **t)
+    assert {"tree_nodes": 1, "tree_depth": 1, "tree_top_k": 1} in tune.candidate_trees(2)
+
+
+def test_tune_writes_the_fastest_tree_and_generate_uses_it(tuned_dir):
+    target = tiny_target(vocab=64)
+    drafter = load_drafter("hsd", target=target, random_init=True)
+    grid = [dict(tree_nodes=2, tree_depth=2, tree_top_k=1), dict(tree_nodes=6, tree_depth=3, tree_top_k=2)]
+    report = tune.tune(target, drafter, [[3, 9, 27, 17], [40, 2, 2, 8]], grid=grid, max_new_tokens=8, finalists=2,
+                       log=lambda s: None)
+
+    saved = json.loads((tuned_dir / f"{tune.hardware_key()}.json").read_text())
+    assert saved["tree"] == report["tree"]
+    assert len(report["grid"]) == 2 and len(report["finalists"]) == 1 + 2 * 3  # ar + 2 trees x 3 reuse policies
+    assert report["finalists"]["ar"]["speedup_vs_ar"] == 1.0
+    best = max((n for n in report["finalists"] if n != "ar"), key=lambda n: report["finalists"][n]["speedup_vs_ar"])
+    tree = report["tree"]
+    assert best == f"{tree['tree_nodes']}/{tree['tree_depth']}/{tree['tree_top_k']} {report['reuse']}"
+    assert sorted(report["verify_cost_ms"]) == sorted(report["verify_cost_ms"], key=int)
+    assert all(ms > 0 for ms in report["verify_cost_ms"].values())
+
+    assert tune.default_tree() == report["tree"]
+    assert tune.default_reuse() == report["reuse"]
+    stats = generate(target, [[5, 6, 7]], max_new_tokens=6, method="hsd", drafter=drafter)[0].stats
+    assert stats["reuse"] == report["reuse"]
+    assert (stats["tree_nodes"], stats["tree_depth"], stats["tree_top_k"]) == tuple(report["tree"].values())
+
+
+def test_without_a_tuned_file_the_backend_default_applies(tuned_dir):
+    assert tune.load_tuned() is None
+    assert tune.default_tree() == tune.DEFAULT_TREES["cpu"]
+    assert tune.default_reuse() == "refresh"
+    assert tune.tree_options(depth=2)["tree_depth"] == 2
