@@ -130,3 +130,37 @@ def test_sd_draft_lm_training_and_shared_embeddings(tmp_path, tiny, tiny_data):
     prompt = [[3, 14, 15, 9, 26]]
     ref = generate(tiny, prompt, max_new_tokens=20)[0].token_ids
     assert generate(tiny, prompt, max_new_tokens=20, method="sd", drafter=dr, gamma=3)[0].token_ids == ref
+
+
+def test_added_data_dir_keeps_held_out_split_and_resumed_vocab(tmp_path, tiny, tiny_data):
+    from hsd_jax.train.data import existing_prompts
+    from hsd_jax.train.trainer import SequenceData
+
+    more = tmp_path / "more"
+    rng = np.random.default_rng(1)
+    fresh = [rng.integers(0, 64, size=9).tolist() for _ in range(40)]
+    seen = existing_prompts(tiny_data)
+    assert len(seen) == 96 and not any(tuple(p) in seen for p in fresh)
+    generate_data(tiny, fresh, str(more), batch_size=20, max_new_tokens=12, progress=False)
+    assert existing_prompts([tiny_data, str(more)]) == seen | {tuple(p) for p in fresh}
+
+    one = SequenceData(tiny_data, None, 40, 0.15, seed=0)
+    two = SequenceData([tiny_data, str(more)], None, 40, 0.15, seed=0)
+    assert len(two.rows) == 96 + 40
+    assert set(one.holdout) == {i for i in two.holdout if i < 96}  # the first dir's split is unchanged
+    assert not set(two.holdout) & set(two.train) and len(two.holdout) + len(two.train) == 136
+
+    cfg = _cfg(tmp_path, tiny_data, steps=20, draft_vocab_size=16)
+    train(cfg, target=tiny, progress=False, log=lambda *_: None)
+    pinned = np.load(os.path.join(cfg.out_dir, "draft_vocab.npz"))
+    np.testing.assert_array_equal(np.load(os.path.join(cfg.out_dir, "drafter", "d2t.npy")), pinned["d2t"])
+    # a run that already has a vocabulary keeps it, whatever the data now holds
+    grown = _cfg(tmp_path, [tiny_data, str(more)], steps=20, draft_vocab_size=16, out_dir=str(tmp_path / "grown"))
+    assert grown.data_dirs == (tiny_data, str(more))
+    os.makedirs(grown.out_dir)
+    np.savez(os.path.join(grown.out_dir, "draft_vocab.npz"), d2t=np.arange(40, 56), feature_rms=1.5)
+    train(grown, target=tiny, progress=False, log=lambda *_: None)
+    np.testing.assert_array_equal(np.load(os.path.join(grown.out_dir, "drafter", "d2t.npy")), np.arange(40, 56))
+    assert json.load(open(os.path.join(grown.out_dir, "drafter", "drafter.json")))["config"]["feature_rms"] == 1.5
+    with pytest.raises(ConfigError, match="data_dir must be"):
+        _cfg(tmp_path, [tiny_data, ""])

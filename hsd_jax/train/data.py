@@ -60,10 +60,14 @@ def sharegpt_user_turns(path: str, min_chars: int = 20, max_chars: int = 2000) -
     return turns
 
 
-def training_prompts(gsm8k: str | None, sharegpt: str | None, num: int, seed: int = 0) -> list[str]:
-    """A shuffled mix of GSM8K and ShareGPT prompts (half each when both are given)."""
+def training_prompts(gsm8k: str | None, sharegpt: str | None, num: int, seed: int = 0,
+                     sources: tuple[str, ...] = ("gsm8k", "sharegpt")) -> list[str]:
+    """A shuffled mix of GSM8K and ShareGPT prompts (equal shares of the sources used)."""
     rng = random.Random(seed)
-    pools = [gsm8k_questions(gsm8k)] + ([sharegpt_user_turns(sharegpt)] if sharegpt else [])
+    pools = ([gsm8k_questions(gsm8k)] if "gsm8k" in sources else []) + (
+        [sharegpt_user_turns(sharegpt)] if sharegpt and "sharegpt" in sources else [])
+    if not pools:
+        raise DataError(f"no prompt source: sources {sources} with sharegpt={sharegpt!r}")
     for pool in pools:
         rng.shuffle(pool)
     per = -(-num // len(pools))
@@ -87,18 +91,26 @@ def write_shard(path: str, seqs: list[list[int]], prompt_lens: list[int]) -> Non
     os.replace(tmp, path)
 
 
-def load_shards(data_dir: str) -> list[np.ndarray]:
-    """All sequences (prompt + response token ids) and prompt lengths from a data directory."""
-    paths = shard_paths(data_dir)
-    if not paths:
-        raise DataError(f"no training shards in {data_dir}: run `hsd data generate` first")
+def load_shards(data_dirs) -> tuple[list[np.ndarray], list[int]]:
+    """All sequences (prompt + response token ids) and prompt lengths from one data directory
+    or a list of them."""
     seqs, plens = [], []
-    for p in paths:
-        with np.load(p, allow_pickle=False) as z:
-            for row, n, pl in zip(z["tokens"], z["lengths"], z["prompt_lens"]):
-                seqs.append(row[:n])
-                plens.append(int(pl))
+    for data_dir in [data_dirs] if isinstance(data_dirs, str) else data_dirs:
+        paths = shard_paths(data_dir)
+        if not paths:
+            raise DataError(f"no training shards in {data_dir}: run `hsd data generate` first")
+        for p in paths:
+            with np.load(p, allow_pickle=False) as z:
+                for row, n, pl in zip(z["tokens"], z["lengths"], z["prompt_lens"]):
+                    seqs.append(row[:n])
+                    plens.append(int(pl))
     return seqs, plens
+
+
+def existing_prompts(data_dirs) -> set[tuple[int, ...]]:
+    """The prompt token ids already answered in these data directories (to keep a new set disjoint)."""
+    seqs, plens = load_shards(data_dirs)
+    return {tuple(int(t) for t in s[:p]) for s, p in zip(seqs, plens)}
 
 
 def generate_data(target, prompts: list, out_dir: str, *, batch_size: int = 48, max_new_tokens: int = 128,

@@ -2,8 +2,8 @@
 
 Measured on the 2-core CPU: generating a token costs ~10x a prefill token, and a training
 run reads every feature many times, so caching (1.15 KB per token for d=576) beats
-recomputing in each step. One file per data shard: `feat_XXXXX.npy` [n, L_shard, d] with
-rows aligned to the shard's `tokens`.
+recomputing in each step. One file per data shard, `<data dir name>/feat_XXXXX.npy`
+[n, L_shard, d], with rows aligned to the shard's `tokens`.
 """
 from __future__ import annotations
 
@@ -29,19 +29,21 @@ def _features(params, cfg, tokens):
 
 
 def feature_path(cache_dir: str, shard: str) -> str:
-    return os.path.join(cache_dir, os.path.basename(shard).replace("shard_", "feat_").replace(".npz", ".npy"))
+    """`<cache_dir>/<data dir name>/feat_XXXXX.npy`: one cache folder serves several data dirs."""
+    name = os.path.basename(shard).replace("shard_", "feat_").replace(".npz", ".npy")
+    return os.path.join(cache_dir, os.path.basename(os.path.dirname(os.path.abspath(shard))), name)
 
 
 def build_feature_cache(target, data_dir: str, cache_dir: str, batch_size: int = 8, progress: bool = True) -> None:
     """Prefill every shard's sequences through the target; skips shards already cached."""
     from tqdm import tqdm
 
-    os.makedirs(cache_dir, exist_ok=True)
     cfg = target.config.replace(feature_layers=())
     for shard in tqdm(shard_paths(data_dir), desc="target features", unit="shard", disable=not progress):
         out = feature_path(cache_dir, shard)
         if os.path.exists(out):
             continue
+        os.makedirs(os.path.dirname(out), exist_ok=True)
         with np.load(shard, allow_pickle=False) as z:
             tokens = z["tokens"]
         width = -(-tokens.shape[1] // 16) * 16

@@ -28,7 +28,7 @@ from hsd_jax.train.features import build_feature_cache, feature_path
 class TrainConfig:
     kind: str = "hsd"
     model: str = "smollm2-135m"
-    data_dir: str = ""
+    data_dir: str | tuple = ""  # one data directory or a list of them
     out_dir: str = ""
     feature_cache: str = ""
     steps: int = 1000
@@ -56,8 +56,10 @@ class TrainConfig:
             raise ConfigError(f"kind must be hsd, eagle or sd, got {self.kind!r}")
         if self.sd_layers < 1:
             raise ConfigError(f"sd_layers must be >= 1, got {self.sd_layers}")
-        if not self.data_dir:
-            raise ConfigError("data_dir is required")
+        if isinstance(self.data_dir, list):
+            object.__setattr__(self, "data_dir", tuple(self.data_dir))
+        if not self.data_dir or not all(isinstance(d, str) and d for d in self.data_dirs):
+            raise ConfigError(f"data_dir must be a directory or a list of them, got {self.data_dir!r}")
         if not self.out_dir:
             raise ConfigError("out_dir is required")
         for name in ("steps", "batch_size", "window", "unroll", "ce_positions", "save_every", "eval_every",
@@ -70,6 +72,10 @@ class TrainConfig:
             raise ConfigError("warmup_steps and weight_decay must be >= 0 and grad_clip > 0")
         if not 0 < self.holdout_fraction < 1:
             raise ConfigError(f"holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
+
+    @property
+    def data_dirs(self) -> tuple[str, ...]:
+        return (self.data_dir,) if isinstance(self.data_dir, str) else tuple(self.data_dir)
 
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> "TrainConfig":
@@ -89,19 +95,26 @@ class TrainConfig:
 class SequenceData:
     """Token sequences with their cached features, split into train and held-out rows."""
 
-    def __init__(self, data_dir: str, cache_dir: str | None, window: int, holdout: float, seed: int):
+    def __init__(self, data_dirs, cache_dir: str | None, window: int, holdout: float, seed: int):
         self.window = window
         self.rows = []  # (tokens, features memmap or None, row in the shard, prompt_len)
-        for shard in shard_paths(data_dir):
-            feats = None if cache_dir is None else np.load(feature_path(cache_dir, shard), mmap_mode="r")
-            with np.load(shard, allow_pickle=False) as z:
-                for i, (row, n, pl) in enumerate(zip(z["tokens"], z["lengths"], z["prompt_lens"])):
-                    self.rows.append((row[:n].copy(), feats, i, int(pl)))
-        if len(self.rows) < 2:
-            raise DataError(f"{data_dir}: need at least 2 sequences, found {len(self.rows)}")
-        order = np.random.default_rng(seed).permutation(len(self.rows))
-        n_hold = max(1, int(len(order) * holdout))
-        self.holdout, self.train = order[:n_hold], order[n_hold:]
+        hold, train = [], []
+        for data_dir in [data_dirs] if isinstance(data_dirs, str) else data_dirs:
+            first = len(self.rows)
+            for shard in shard_paths(data_dir):
+                feats = None if cache_dir is None else np.load(feature_path(cache_dir, shard), mmap_mode="r")
+                with np.load(shard, allow_pickle=False) as z:
+                    for i, (row, n, pl) in enumerate(zip(z["tokens"], z["lengths"], z["prompt_lens"])):
+                        self.rows.append((row[:n].copy(), feats, i, int(pl)))
+            count = len(self.rows) - first
+            if count < 2:
+                raise DataError(f"{data_dir}: need at least 2 sequences, found {count}")
+            # split each directory on its own, so adding a directory leaves the others' held-out rows as they were
+            order = first + np.random.default_rng(seed).permutation(count)
+            n_hold = max(1, int(count * holdout))
+            hold.append(order[:n_hold])
+            train.append(order[n_hold:])
+        self.holdout, self.train = np.concatenate(hold), np.concatenate(train)
 
     def batch(self, idx) -> losses.Batch:
         """Right-aligned windows (the last `window` tokens hold the response) of rows idx."""
@@ -145,18 +158,35 @@ def make_optimizer(cfg: TrainConfig):
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(sched, weight_decay=cfg.weight_decay))
 
 
+def run_vocab(cfg: TrainConfig, target, data: SequenceData) -> tuple[np.ndarray, float]:
+    """The run's draft vocabulary and feature scale, fixed at its first start (`<out_dir>/draft_vocab.npz`)
+    so that a resumed run keeps its output head's meaning when data directories are added."""
+    path = os.path.join(cfg.out_dir, "draft_vocab.npz")
+    if os.path.isfile(path):
+        with np.load(path, allow_pickle=False) as z:
+            return z["d2t"].astype(np.int32), float(z["feature_rms"])
+    seqs, plens = load_shards(cfg.data_dirs)
+    d2t = draft_vocab(seqs, plens, target.config.vocab_size, cfg.draft_vocab_size)
+    rms = round(feature_rms(data), 3)
+    from hsd_jax import sharding
+
+    if sharding.is_primary():
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        np.savez(path, d2t=d2t, feature_rms=np.float64(rms))
+    return d2t, rms
+
+
 def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     """HSD or EAGLE-style drafter: params, unrolled loss, held-out chain acceptance."""
     from hsd_jax.models import drafter as dmod
 
-    seqs, plens = load_shards(cfg.data_dir)
-    d2t = draft_vocab(seqs, plens, target.config.vocab_size, cfg.draft_vocab_size)
+    d2t, rms = run_vocab(cfg, target, data)
     t2d = np.full(target.config.vocab_size, -1, np.int32)
     t2d[d2t] = np.arange(len(d2t), dtype=np.int32)
     t2d = jnp.asarray(t2d)
     dcfg = dmod.DrafterConfig.for_target(cfg.kind, target.config, draft_vocab_size=len(d2t),
                                          injection=cfg.injection, readout=cfg.readout,
-                                         feature_rms=round(feature_rms(data), 3))
+                                         feature_rms=rms)
     view = dmod.target_view(target.params, target.config, d2t)
     weights = losses.LossWeights(ce=cfg.ce_weight)
 
@@ -226,14 +256,16 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     log = log if primary else (lambda *_: None)
     progress = progress and primary
 
-    if not os.path.isdir(cfg.data_dir) or not shard_paths(cfg.data_dir):
-        raise DataError(f"no training data in {cfg.data_dir!r}: run `hsd data generate --out {cfg.data_dir}`")
+    for data_dir in cfg.data_dirs:
+        if not os.path.isdir(data_dir) or not shard_paths(data_dir):
+            raise DataError(f"no training data in {data_dir!r}: run `hsd data generate --out {data_dir}`")
     target = target or load_target(cfg.model, max_cache_len=512, tokenizer=False)
     cache_dir = None
     if cfg.kind != "sd":
         cache_dir = cfg.feature_cache or os.path.join(cfg.out_dir, "features")
-        build_feature_cache(target, cfg.data_dir, cache_dir, progress=progress)
-    data = SequenceData(cfg.data_dir, cache_dir, cfg.window, cfg.holdout_fraction, cfg.seed)
+        for data_dir in cfg.data_dirs:
+            build_feature_cache(target, data_dir, cache_dir, progress=progress)
+    data = SequenceData(cfg.data_dirs, cache_dir, cfg.window, cfg.holdout_fraction, cfg.seed)
     place = lambda tree: tree
     if mesh is not None:
         sharding.check_mesh(target.config, mesh, cfg.batch_size, "target")
@@ -300,7 +332,7 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state["params"])
     save_drafter(dmod.Drafter(cfg.kind, half, task["config"], task["d2t"]), os.path.join(cfg.out_dir, "drafter"))
     if primary:
-        seqs, plens = load_shards(cfg.data_dir)
+        seqs, plens = load_shards(cfg.data_dirs)
         with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as f:
             json.dump({"final": final, "history": history, "train_tokens": int(sum(len(s) for s in seqs)),
                        "response_tokens": int(sum(len(s) - p for s, p in zip(seqs, plens)))}, f, indent=1)
