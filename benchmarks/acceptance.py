@@ -17,26 +17,30 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=80)
     ap.add_argument("--batch-size", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--methods", default="hsd,hsd-noreuse,hsd-chain,eagle,sd")
+    ap.add_argument("--methods", default="hsd-noreuse,hsd-refresh,hsd-chain,eagle,sd")
+    ap.add_argument("--tree-nodes", type=int, default=None, help="default: the tuned tree for this hardware")
+    ap.add_argument("--tree-depth", type=int, default=None)
+    ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     from hsd_jax import generate, load_drafter, load_target
     from hsd_jax.bench import method_spec
     from hsd_jax.prompts import load_suite
-    from hsd_jax.tune import default_tree
+    from hsd_jax.tune import tree_options
 
     target = load_target()
     ids = [target.encode(p, chat=True) for p in load_suite(args.suite, args.num_prompts)]
     batches = [ids[i: i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
     ar = [r.token_ids for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens)]
-    out = {"suite": args.suite, "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "tree": default_tree(),
+    tree = tree_options(args.tree_nodes, args.tree_depth, args.top_k)
+    out = {"suite": args.suite, "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "tree": tree,
            "methods": {}}
     for name in args.methods.split(","):
         kind, opts = method_spec(name)
         drafter = load_drafter(kind, target=target)
         res = [r for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens, method=kind,
-                                                    drafter=drafter, **opts)]
+                                                    drafter=drafter, **opts, **({} if kind == "sd" else tree))]
         rounds = sum(r.stats["rounds"] for r in res)
         new = sum(r.stats["new_tokens"] for r in res)
         hist = [sum(r.stats["accepted_hist"][i] for r in res) for i in range(len(res[0].stats["accepted_hist"]))]

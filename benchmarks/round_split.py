@@ -1,7 +1,8 @@
 """Time split of one speculative round on SmolLM2-135M: draft / verify / accept+commit / drafter update.
 
 Each public step function is jitted on its own and timed after warm-up (median of repeats);
-`generate`'s compile time is reported too. Random drafters: the split, not acceptance, is the point.
+`generate`'s compile time is reported too. Random drafters by default (`--shipped` for the trained
+one): the split, not acceptance, is the point.
 
     python benchmarks/round_split.py --method hsd --tree-nodes 10 --tree-depth 4 --top-k 4
 """
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--tree-depth", type=int, default=4)
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--shipped", action="store_true", help="the shipped trained drafter instead of a random one")
     args = ap.parse_args()
 
     from hsd_jax import engine, generate, load_drafter, load_target
@@ -43,7 +45,8 @@ def main() -> None:
     from hsd_jax.prompts import load_suite
 
     target = load_target("smollm2-135m", max_cache_len=1024)
-    drafter = load_drafter(args.method, target=target, random_init=True, draft_vocab_size=args.draft_vocab)
+    drafter = (load_drafter(args.method, target=target) if args.shipped else
+               load_drafter(args.method, target=target, random_init=True, draft_vocab_size=args.draft_vocab))
     spec = engine.SpecConfig(method=args.method, reuse="none", tree_nodes=args.tree_nodes,
                              tree_depth=args.tree_depth, tree_top_k=args.top_k)
     tcfg, dcfg = target.config, drafter.config
@@ -94,7 +97,7 @@ def main() -> None:
         upd_ms = _time(lambda: upd(drafter.params, view=view, cache=dcache, tree=tree, acc=acc,
                                    feats=vout.features, live=jnp.ones((b,), bool)))
     total = draft_ms + verify_ms + ac_ms + upd_ms
-    print(f"\n{args.method}: N={args.tree_nodes} D={args.tree_depth} K={args.top_k} V_d={args.draft_vocab}, batch 1, f32")
+    print(f"\n{args.method}: N={args.tree_nodes} D={args.tree_depth} K={args.top_k} V_d={dcfg.draft_vocab_size}, batch 1, f32")
     print("| step | ms | share |\n| --- | --- | --- |")
     for name, ms in [("draft (tree read-outs)", draft_ms), ("verify (target forward)", verify_ms),
                      ("accept + commit", ac_ms), ("drafter update (ingest + chain)", upd_ms)]:
