@@ -125,6 +125,19 @@ def _timed(target, prompts, max_new_tokens, **kw) -> tuple[int, int, float]:
     return new, rounds, seconds
 
 
+def acceptance_by_depth(target, drafter, prompts, max_new_tokens: int = 64, depth: int = 4) -> list[float]:
+    """P(draft token at depth d accepted | depths < d accepted) along a top-1 chain, d = 1..depth
+    (greedy, all prompts in one batch: acceptance does not depend on batching)."""
+    from hsd_jax.api import generate
+
+    extra = {"reuse": "none"} if drafter.kind == "hsd" else {}
+    res = generate(target, prompts, max_new_tokens=max_new_tokens, method=drafter.kind, drafter=drafter,
+                   tree_nodes=depth, tree_depth=depth, tree_top_k=1, **extra)
+    hist = [sum(r.stats["accepted_hist"][i] for r in res) for i in range(depth + 1)]
+    reach = [sum(hist[d:]) for d in range(depth + 1)]
+    return [round(reach[d] / reach[d - 1], 3) if reach[d - 1] else 0.0 for d in range(1, depth + 1)]
+
+
 def _interleaved(target, prompts, max_new_tokens, variants: dict[str, dict]) -> dict[str, dict]:
     """Every variant on every prompt in turn (A B C, A B C, ...) so machine drift cancels; speedup
     is the median over prompts of (ar seconds / variant seconds), ar being variant `ar`."""
@@ -167,6 +180,8 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
         rows.append(dict(tree, tau=round((new - len(first)) / max(rounds, 1), 3), tokens_per_s=round(new / secs, 2)))
         log(f"{tree}: tau {rows[-1]['tau']:.2f}, {rows[-1]['tokens_per_s']:.1f} tok/s")
     keys = ("tree_nodes", "tree_depth", "tree_top_k")
+    by_depth = acceptance_by_depth(target, drafter, prompts, max_new_tokens)
+    log(f"acceptance by depth along the top-1 chain (all {len(prompts)} prompts): {by_depth}")
     top = [{k: r[k] for k in keys} for r in sorted(rows, key=lambda r: -r["tokens_per_s"])[:finalists]]
     policies = ("none", "refresh", "chain") if drafter.kind == "hsd" else (None,)
     variants = {"ar": {}}
@@ -183,7 +198,7 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
     report = {"hardware": hardware_key(), "tree": {k: choice[k] for k in keys},
               "expected_tokens_per_s": final[best]["tokens_per_s"], "ar_tokens_per_s": final["ar"]["tokens_per_s"],
               "expected_speedup": final[best]["speedup_vs_ar"], "verify_cost_ms": curve, "grid": rows,
-              "finalists": final, "drafter": drafter.path, "method": drafter.kind, "num_prompts": len(prompts),
+              "finalists": final, "acceptance_by_depth": by_depth, "drafter": drafter.path, "method": drafter.kind, "num_prompts": len(prompts),
               "max_new_tokens": max_new_tokens}
     if "reuse" in choice:
         report["reuse"] = choice["reuse"]

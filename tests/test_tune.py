@@ -39,6 +39,7 @@ def test_tune_writes_the_fastest_tree_and_generate_uses_it(tuned_dir):
     best = max((n for n in report["finalists"] if n != "ar"), key=lambda n: report["finalists"][n]["speedup_vs_ar"])
     tree = report["tree"]
     assert best == f"{tree['tree_nodes']}/{tree['tree_depth']}/{tree['tree_top_k']} {report['reuse']}"
+    assert len(report["acceptance_by_depth"]) == 4 and all(0 <= a <= 1 for a in report["acceptance_by_depth"])
     assert sorted(report["verify_cost_ms"]) == sorted(report["verify_cost_ms"], key=int)
     assert all(ms > 0 for ms in report["verify_cost_ms"].values())
 
@@ -47,6 +48,20 @@ def test_tune_writes_the_fastest_tree_and_generate_uses_it(tuned_dir):
     stats = generate(target, [[5, 6, 7]], max_new_tokens=6, method="hsd", drafter=drafter)[0].stats
     assert stats["reuse"] == report["reuse"]
     assert (stats["tree_nodes"], stats["tree_depth"], stats["tree_top_k"]) == tuple(report["tree"].values())
+
+
+def test_acceptance_by_depth_is_one_for_an_oracle_drafter_and_low_for_a_random_one():
+    import jax.numpy as jnp
+
+    from tests.test_speculative import _bigram_target, _zero_layers
+
+    target = _bigram_target()
+    oracle = load_drafter("hsd", target=target, random_init=True, injection="additive", feature_rms=1e4)
+    oracle.params = dict(_zero_layers(oracle.params), inject={"w": jnp.eye(target.config.hidden_size)})
+    prompts = [[5, 17, 3], [40, 2, 2, 8]]
+    assert tune.acceptance_by_depth(target, oracle, prompts, 16, depth=3) == [1.0, 1.0, 1.0]
+    rand = tune.acceptance_by_depth(target, load_drafter("hsd", target=target, random_init=True), prompts, 16, 3)
+    assert rand[0] < 0.5
 
 
 def test_without_a_tuned_file_the_backend_default_applies(tuned_dir):
