@@ -146,17 +146,20 @@ def _drafter_paths(path: str) -> tuple[str, str, str]:
 
 
 def save_drafter(drafter, path: str) -> None:
-    """Write a drafter as drafter.json (kind, config) + d2t.npy + an Orbax params checkpoint."""
+    """Write a drafter as drafter.json (kind, config) + d2t.npy + an Orbax params checkpoint.
+
+    Multi-host: every process joins the (collective) Orbax save; only process 0 writes the
+    small files."""
     import json
 
     import orbax.checkpoint as ocp
 
     os.makedirs(path, exist_ok=True)
     meta, d2t_path, params_path = _drafter_paths(path)
-    cfg = dataclasses.asdict(drafter.config)
-    with open(meta, "w") as f:
-        json.dump({"kind": drafter.kind, "config": cfg}, f, indent=1)
-    np.save(d2t_path, np.asarray(drafter.d2t if drafter.d2t is not None else [], np.int32))
+    if sharding.is_primary():
+        with open(meta, "w") as f:
+            json.dump({"kind": drafter.kind, "config": dataclasses.asdict(drafter.config)}, f, indent=1)
+        np.save(d2t_path, np.asarray(drafter.d2t if drafter.d2t is not None else [], np.int32))
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.abspath(params_path), drafter.params, force=True)
 

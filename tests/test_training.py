@@ -164,3 +164,15 @@ def test_added_data_dir_keeps_held_out_split_and_resumed_vocab(tmp_path, tiny, t
     assert json.load(open(os.path.join(grown.out_dir, "drafter", "drafter.json")))["config"]["feature_rms"] == 1.5
     with pytest.raises(ConfigError, match="data_dir must be"):
         _cfg(tmp_path, [tiny_data, ""])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sources", "foo"], "--sources must list gsm8k and/or sharegpt"),
+    (["--sources", "sharegpt"], "--sources sharegpt needs --sharegpt"),
+    (["--exclude", "/no/such/dir"], "--exclude directory not found"),
+])
+def test_data_generate_rejects_bad_arguments(tmp_path, args, message):
+    r = subprocess.run([sys.executable, "-m", "hsd_jax", "data", "generate", "--out", str(tmp_path / "d")] + args,
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}")
