@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The BENCHMARKS.md runs on a CPU machine: one headline run (MT-bench, 80 prompts, T=0, batch 1)
-# and a matrix of suites x temperature x batch on 20-prompt subsets, then the report tables.
+# The BENCHMARKS.md runs on a CPU machine: one headline run (MT-bench, 40 prompts, T=0, batch 1)
+# and a matrix of suites x temperature x batch on 16-prompt subsets, MT-bench acceptance on all 80
+# prompts (batched: tau does not depend on batching), then the report tables.
 # Every run is one `hsd bench` process (methods interleaved per batch). Rerun a single line to
 # refresh one table. Results: benchmarks/results/<hardware>/*.json, figures next to them.
 set -euo pipefail
@@ -12,14 +13,14 @@ METHODS=ar,sd,eagle,hsd
 # the headline also runs HSD with the reuse policy that `hsd tune` did not pick
 OTHER=$(python -c "from hsd_jax.tune import default_reuse; print('hsd-noreuse' if default_reuse() != 'none' else 'hsd-refresh')")
 
-hsd bench --suite mt_bench --num-prompts 80 --max-new-tokens 128 --methods $METHODS,$OTHER \
+hsd bench --suite mt_bench --num-prompts 40 --max-new-tokens 128 --methods $METHODS,$OTHER \
     --json "$OUT/mt_bench_T0_b1_headline.json" --plot "$OUT/mt_bench_T0_b1_headline.png"
 for suite in mt_bench humaneval gsm8k; do
   for temp in 0 1; do
     for bs in 1 4; do
       name=${suite}_T${temp}_b${bs}
       [[ $name == mt_bench_T0_b1 ]] && continue
-      hsd bench --suite $suite --num-prompts 20 --max-new-tokens 64 --temperature $temp --batch-size $bs \
+      hsd bench --suite $suite --num-prompts 16 --max-new-tokens 64 --temperature $temp --batch-size $bs \
           --methods $METHODS --json "$OUT/$name.json" --plot "$OUT/$name.png"
     done
   done
