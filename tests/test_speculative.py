@@ -164,8 +164,9 @@ def test_bad_speculative_input_is_refused(tiny, drafters):
         generate(tiny, [[1, 2]], method="hsd")
     with pytest.raises(InputError, match="needs a 'hsd' drafter"):
         generate(tiny, [[1, 2]], method="hsd", drafter=drafters["eagle"])
-    with pytest.raises(InputError, match="draft tree"):
-        generate(tiny, [[1] * 200], max_new_tokens=50, method="hsd", drafter=drafters["hsd"])
+    with pytest.raises(InputError, match="draft tree"):  # 200 + 50 fits the 256 cache, the tree's slots do not
+        generate(tiny, [[1] * 200], max_new_tokens=50, method="hsd", drafter=drafters["hsd"], tree_nodes=8,
+                 tree_depth=4, tree_top_k=3)
     with pytest.raises(ConfigError, match="exceeds the"):
         generate(tiny, [[1, 2]], method="hsd", drafter=drafters["hsd"], tree_nodes=40, tree_depth=2, tree_top_k=2)
     with pytest.raises(InputError, match="unknown options"):
