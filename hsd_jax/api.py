@@ -283,11 +283,9 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         if unknown:
             raise InputError(f"unknown options for method {method!r}: {', '.join(sorted(unknown))}")
         if method in ("hsd", "eagle"):
-            from hsd_jax.tune import default_reuse, default_tree
+            from hsd_jax.tune import default_options
 
-            options = dict(default_tree(), **options)
-            if method == "hsd":
-                options.setdefault("reuse", default_reuse())
+            options = dict(default_options(method), **options)
         spec = engine.SpecConfig(method=method, **options)
     elif options:
         raise InputError(f"unknown options for method 'ar': {', '.join(sorted(options))}")

@@ -58,6 +58,17 @@ def default_reuse() -> str:
     return tuned.get("reuse", "refresh") if tuned else "refresh"
 
 
+def default_options(method: str) -> dict:
+    """Tree (and for `hsd` the reuse policy) defaults for this hardware from one read of the tuned file."""
+    import jax
+
+    tuned = load_tuned()
+    opts = dict(tuned["tree"]) if tuned else dict(DEFAULT_TREES.get(jax.default_backend(), DEFAULT_TREES["gpu"]))
+    if method == "hsd":
+        opts["reuse"] = tuned.get("reuse", "refresh") if tuned else "refresh"
+    return opts
+
+
 def tree_options(nodes: int | None = None, depth: int | None = None, top_k: int | None = None) -> dict:
     """Tree options with anything not given taken from `default_tree()`."""
     tree = default_tree()
@@ -183,7 +194,9 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
     by_depth = acceptance_by_depth(target, drafter, prompts, max_new_tokens)
     log(f"acceptance by depth along the top-1 chain (all {len(prompts)} prompts): {by_depth}")
     top = [{k: r[k] for k in keys} for r in sorted(rows, key=lambda r: -r["tokens_per_s"])[:finalists]]
-    policies = ("none", "refresh", "chain") if drafter.kind == "hsd" else (None,)
+    from hsd_jax.engine import REUSE_POLICIES
+
+    policies = REUSE_POLICIES if drafter.kind == "hsd" else (None,)
     variants = {"ar": {}}
     for tree in top:
         for reuse in policies:
