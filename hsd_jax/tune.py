@@ -122,20 +122,6 @@ def candidate_trees(max_nodes: int = 64) -> list[dict]:
     return grid
 
 
-def _timed(target, prompts, max_new_tokens, **kw) -> tuple[int, int, float]:
-    """(new tokens, rounds, seconds) over `prompts` run one at a time (batch 1). The first prompt
-    runs once untimed: compilation and first-run costs stay out."""
-    from hsd_jax.api import generate
-
-    generate(target, prompts[:1], max_new_tokens=max_new_tokens, **kw)
-    new = rounds = 0
-    seconds = 0.0
-    for p in prompts:
-        r = generate(target, [p], max_new_tokens=max_new_tokens, **kw)[0]
-        new, rounds, seconds = new + r.stats["new_tokens"], rounds + r.stats["rounds"], seconds + r.stats["seconds"]
-    return new, rounds, seconds
-
-
 def acceptance_by_depth(target, drafter, prompts, max_new_tokens: int = 64, depth: int = 4) -> list[float]:
     """P(draft token at depth d accepted | depths < d accepted) along a top-1 chain, d = 1..depth
     (greedy, all prompts in one batch: acceptance does not depend on batching)."""
@@ -149,9 +135,10 @@ def acceptance_by_depth(target, drafter, prompts, max_new_tokens: int = 64, dept
     return [round(reach[d] / reach[d - 1], 3) if reach[d - 1] else 0.0 for d in range(1, depth + 1)]
 
 
-def _interleaved(target, prompts, max_new_tokens, variants: dict[str, dict]) -> dict[str, dict]:
-    """Every variant on every prompt in turn (A B C, A B C, ...) so machine drift cancels; speedup
-    is the median over prompts of (ar seconds / variant seconds), ar being variant `ar`."""
+def _interleaved(target, prompts, max_new_tokens, variants: dict[str, dict]) -> dict[str, list[tuple]]:
+    """(new tokens, rounds, seconds) per prompt for every variant, batch 1, run in turn on each prompt
+    (A B C, A B C, ...) so machine drift cancels. Each variant first runs once untimed, so
+    compilation and first-run costs stay out."""
     from hsd_jax.api import generate
 
     for kw in variants.values():
@@ -161,12 +148,15 @@ def _interleaved(target, prompts, max_new_tokens, variants: dict[str, dict]) -> 
         for name, kw in variants.items():
             r = generate(target, [p], max_new_tokens=max_new_tokens, **kw)[0]
             per[name].append((r.stats["new_tokens"], r.stats["rounds"], r.stats["seconds"]))
-    out = {}
-    for name, runs in per.items():
-        new, rounds, secs = (sum(x) for x in zip(*runs))
-        ratios = [(a[2] / a[0]) / (m[2] / m[0]) for a, m in zip(per["ar"], runs)]
-        out[name] = dict(tau=round((new - len(runs)) / max(rounds, 1), 3), tokens_per_s=round(new / secs, 2),
-                         speedup_vs_ar=round(statistics.median(ratios), 3))
+    return per
+
+
+def _summary(runs: list[tuple], ar_runs: list[tuple] | None = None) -> dict:
+    """tau and tokens/s over per-prompt runs; with `ar_runs`, the median over prompts of the speedup."""
+    new, rounds, secs = (sum(x) for x in zip(*runs))
+    out = dict(tau=round((new - len(runs)) / max(rounds, 1), 3), tokens_per_s=round(new / secs, 2))
+    if ar_runs is not None:
+        out["speedup_vs_ar"] = round(statistics.median((a[2] / a[0]) / (m[2] / m[0]) for a, m in zip(ar_runs, runs)), 3)
     return out
 
 
@@ -187,8 +177,7 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
     log(f"stage 1: {len(grid)} trees up to {max(max_nodes, 2)} nodes on {len(first)} prompts")
     rows = []
     for tree in grid:
-        new, rounds, secs = _timed(target, first, max_new_tokens, **kw, **tree)
-        rows.append(dict(tree, tau=round((new - len(first)) / max(rounds, 1), 3), tokens_per_s=round(new / secs, 2)))
+        rows.append(dict(tree, **_summary(_interleaved(target, first, max_new_tokens, {"tree": dict(kw, **tree)})["tree"])))
         log(f"{tree}: tau {rows[-1]['tau']:.2f}, {rows[-1]['tokens_per_s']:.1f} tok/s")
     keys = ("tree_nodes", "tree_depth", "tree_top_k")
     by_depth = acceptance_by_depth(target, drafter, prompts, max_new_tokens)
@@ -203,7 +192,8 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
             name = "/".join(str(tree[k]) for k in keys) + (f" {reuse}" if reuse else "")
             variants[name] = dict(kw, **tree, **({"reuse": reuse} if reuse else {}))
     log(f"stage 2: {len(variants) - 1} finalists interleaved with ar on {len(prompts)} prompts")
-    final = _interleaved(target, prompts, max_new_tokens, variants)
+    runs = _interleaved(target, prompts, max_new_tokens, variants)
+    final = {name: _summary(r, runs["ar"]) for name, r in runs.items()}
     for name, m in final.items():
         log(f"{name}: tau {m['tau']:.2f}, {m['tokens_per_s']:.1f} tok/s, {m['speedup_vs_ar']:.2f}x ar")
     best = max((n for n in final if n != "ar"), key=lambda n: final[n]["speedup_vs_ar"])

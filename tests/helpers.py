@@ -76,3 +76,22 @@ def save_hf_dir(target, path):
                    "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
                    "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
                    "tie_word_embeddings": cfg.tie_word_embeddings}, f)
+
+
+def zero_layers(params):
+    """Switch off every layer's residual contributions (attention out and MLP down projections)."""
+    import jax.numpy as jnp
+
+    lay = dict(params["layers"])
+    lay["o_proj"] = {"kernel": jnp.zeros_like(lay["o_proj"]["kernel"])}
+    lay["mlp"] = dict(lay["mlp"], down_proj={"kernel": jnp.zeros_like(lay["mlp"]["down_proj"]["kernel"])})
+    return dict(params, layers=lay)
+
+
+def bigram_target():
+    """A target whose layers are switched off (feature f_p = e(x_p)) and whose head is sharp,
+    so the next token is a function of the current token: an oracle can be written by hand."""
+    tgt = tiny_target(vocab=64, tie_word_embeddings=False)
+    params = zero_layers(tgt.params)
+    tgt.params = dict(params, lm_head={"kernel": 30.0 * params["lm_head"]["kernel"]})
+    return tgt

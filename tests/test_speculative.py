@@ -10,7 +10,7 @@ from hsd_jax import generate, load_drafter
 from hsd_jax.api import InputError
 from hsd_jax.config import ConfigError
 from hsd_jax.models.drafter import Drafter
-from tests.helpers import jax_logits, tiny_target
+from tests.helpers import bigram_target, jax_logits, tiny_target, zero_layers
 
 METHODS = [("hsd", dict(reuse="none")), ("hsd", dict(reuse="chain")), ("hsd", dict(reuse="refresh")),
            ("eagle", {}), ("sd", {})]
@@ -54,35 +54,17 @@ def test_batch_equals_one_by_one(tiny, drafters, method, opts):
         assert r.stats["drafter_forwards"] == alone.stats["drafter_forwards"]
 
 
-def _bigram_target():
-    """A target whose layers are switched off (feature f_p = e(x_p)) and whose head is sharp,
-    so the next token is a function of the current token: an oracle can be written by hand."""
-    tgt = tiny_target(vocab=64, tie_word_embeddings=False)
-    layers = dict(tgt.params["layers"])
-    layers["o_proj"] = {"kernel": jnp.zeros_like(layers["o_proj"]["kernel"])}
-    layers["mlp"] = dict(layers["mlp"], down_proj={"kernel": jnp.zeros_like(layers["mlp"]["down_proj"]["kernel"])})
-    tgt.params = dict(tgt.params, layers=layers, lm_head={"kernel": 30.0 * tgt.params["lm_head"]["kernel"]})
-    return tgt
-
-
-def _zero_layers(params):
-    lay = dict(params["layers"])
-    lay["o_proj"] = {"kernel": jnp.zeros_like(lay["o_proj"]["kernel"])}
-    lay["mlp"] = dict(lay["mlp"], down_proj={"kernel": jnp.zeros_like(lay["mlp"]["down_proj"]["kernel"])})
-    return dict(params, layers=lay)
-
-
 def test_oracle_drafters_reach_full_acceptance():
-    tgt = _bigram_target()
+    tgt = bigram_target()
     d = tgt.config.hidden_size
     depth, rounds = 4, 6
     n_new = 1 + rounds * (depth + 1)
     prompt = [[5, 17, 3]]
     ref = generate(tgt, prompt, max_new_tokens=n_new)[0].token_ids
     hsd = load_drafter("hsd", target=tgt, random_init=True, injection="additive", feature_rms=1e4)
-    hsd.params = dict(_zero_layers(hsd.params), inject={"w": jnp.eye(d)})
+    hsd.params = dict(zero_layers(hsd.params), inject={"w": jnp.eye(d)})
     eagle = load_drafter("eagle", target=tgt, random_init=True, readout="plain")
-    eagle.params = dict(_zero_layers(eagle.params), fc={"kernel": jnp.concatenate([jnp.zeros((d, d)), jnp.eye(d)])})
+    eagle.params = dict(zero_layers(eagle.params), fc={"kernel": jnp.concatenate([jnp.zeros((d, d)), jnp.eye(d)])})
     for dr, opts in [(hsd, dict(reuse="chain")), (hsd, dict(reuse="none")), (eagle, {})]:
         r = generate(tgt, prompt, max_new_tokens=n_new, method=dr.kind, drafter=dr,
                      tree_nodes=8, tree_depth=depth, tree_top_k=2, **opts)[0]

@@ -176,3 +176,30 @@ def test_data_generate_rejects_bad_arguments(tmp_path, args, message):
                        capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}")
+
+
+def test_init_from_starts_where_the_given_drafter_ended(tmp_path, tiny, tiny_data):
+    from hsd_jax import ModelLoadError
+
+    base = _cfg(tmp_path, tiny_data, steps=150, draft_vocab_size=32, out_dir=str(tmp_path / "base"))
+    done = train(base, target=tiny, progress=False, log=lambda *_: None)
+    untrained = json.load(open(os.path.join(base.out_dir, "metrics.json")))["history"][0]
+    drafter_dir = os.path.join(base.out_dir, "drafter")
+    warm = _cfg(tmp_path, tiny_data, steps=2, draft_vocab_size=8, learning_rate=1e-6, init_from=drafter_dir,
+                out_dir=str(tmp_path / "warm"))
+    train(warm, target=tiny, progress=False, log=lambda *_: None)
+    start = json.load(open(os.path.join(warm.out_dir, "metrics.json")))["history"][0]
+    assert start["step"] == 0
+    assert start["accept_by_depth"][0] > untrained["accept_by_depth"][0] + 0.1
+    assert abs(start["accept_by_depth"][0] - done["accept_by_depth"][0]) < 0.05  # bf16 export of the same weights
+    # the vocabulary and feature scale come from the given drafter, not from draft_vocab_size
+    np.testing.assert_array_equal(np.load(os.path.join(warm.out_dir, "draft_vocab.npz"))["d2t"],
+                                  np.load(os.path.join(drafter_dir, "d2t.npy")))
+    with pytest.raises(ConfigError, match="init_from must be a drafter directory"):
+        _cfg(tmp_path, tiny_data, init_from=str(tmp_path / "nothing"))
+    with pytest.raises(ModelLoadError, match="holds a 'hsd' drafter"):
+        train(_cfg(tmp_path, tiny_data, kind="eagle", steps=2, init_from=drafter_dir, out_dir=str(tmp_path / "e")),
+              target=tiny, progress=False, log=lambda *_: None)
+    with pytest.raises(ConfigError, match=r"differs in \['injection'\]"):
+        train(_cfg(tmp_path, tiny_data, steps=2, injection="additive", init_from=drafter_dir, out_dir=str(tmp_path / "i")),
+              target=tiny, progress=False, log=lambda *_: None)

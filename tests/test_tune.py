@@ -53,11 +53,11 @@ def test_tune_writes_the_fastest_tree_and_generate_uses_it(tuned_dir):
 def test_acceptance_by_depth_is_one_for_an_oracle_drafter_and_low_for_a_random_one():
     import jax.numpy as jnp
 
-    from tests.test_speculative import _bigram_target, _zero_layers
+    from tests.helpers import bigram_target, zero_layers
 
-    target = _bigram_target()
+    target = bigram_target()
     oracle = load_drafter("hsd", target=target, random_init=True, injection="additive", feature_rms=1e4)
-    oracle.params = dict(_zero_layers(oracle.params), inject={"w": jnp.eye(target.config.hidden_size)})
+    oracle.params = dict(zero_layers(oracle.params), inject={"w": jnp.eye(target.config.hidden_size)})
     prompts = [[5, 17, 3], [40, 2, 2, 8]]
     assert tune.acceptance_by_depth(target, oracle, prompts, 16, depth=3) == [1.0, 1.0, 1.0]
     rand = tune.acceptance_by_depth(target, load_drafter("hsd", target=target, random_init=True), prompts, 16, 3)

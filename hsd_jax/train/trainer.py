@@ -49,6 +49,7 @@ class TrainConfig:
     max_to_keep: int = 2
     holdout_fraction: float = 0.05
     sd_layers: int = 3
+    init_from: str = ""  # a drafter directory (`hsd train` output) to start from instead of random weights
     seed: int = 0
 
     def __post_init__(self):
@@ -70,6 +71,8 @@ class TrainConfig:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise ConfigError("warmup_steps and weight_decay must be >= 0 and grad_clip > 0")
+        if self.init_from and not os.path.isfile(os.path.join(self.init_from, "drafter.json")):
+            raise ConfigError(f"init_from must be a drafter directory (with drafter.json), got {self.init_from!r}")
         if not 0 < self.holdout_fraction < 1:
             raise ConfigError(f"holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
 
@@ -158,16 +161,20 @@ def make_optimizer(cfg: TrainConfig):
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(sched, weight_decay=cfg.weight_decay))
 
 
-def run_vocab(cfg: TrainConfig, target, data: SequenceData) -> tuple[np.ndarray, float]:
+def run_vocab(cfg: TrainConfig, target, data: SequenceData, init=None) -> tuple[np.ndarray, float]:
     """The run's draft vocabulary and feature scale, fixed at its first start (`<out_dir>/draft_vocab.npz`)
-    so that a resumed run keeps its output head's meaning when data directories are added."""
+    so that a resumed run keeps its output head's meaning when data directories are added. A run
+    started from an `init` drafter takes that drafter's."""
     path = os.path.join(cfg.out_dir, "draft_vocab.npz")
     if os.path.isfile(path):
         with np.load(path, allow_pickle=False) as z:
             return z["d2t"].astype(np.int32), float(z["feature_rms"])
-    seqs, plens = load_shards(cfg.data_dirs)
-    d2t = draft_vocab(seqs, plens, target.config.vocab_size, cfg.draft_vocab_size)
-    rms = round(feature_rms(data), 3)
+    if init is not None:
+        d2t, rms = np.asarray(init.d2t, np.int32), float(init.config.feature_rms)
+    else:
+        seqs, plens = load_shards(cfg.data_dirs)
+        d2t = draft_vocab(seqs, plens, target.config.vocab_size, cfg.draft_vocab_size)
+        rms = round(feature_rms(data), 3)
     from hsd_jax import sharding
 
     if sharding.is_primary():
@@ -180,7 +187,8 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     """HSD or EAGLE-style drafter: params, unrolled loss, held-out chain acceptance."""
     from hsd_jax.models import drafter as dmod
 
-    d2t, rms = run_vocab(cfg, target, data)
+    init = _init_drafter(cfg, target)
+    d2t, rms = run_vocab(cfg, target, data, init)
     t2d = np.full(target.config.vocab_size, -1, np.int32)
     t2d[d2t] = np.arange(len(d2t), dtype=np.int32)
     t2d = jnp.asarray(t2d)
@@ -197,8 +205,28 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     def accept(params, batch):
         return losses.chain_acceptance(params, dcfg, view, t2d, batch, cfg.unroll)
 
-    return dict(params=dmod.init_drafter_params(dcfg, jax.random.key(cfg.seed)), loss=loss, accept=accept,
-                config=dcfg, d2t=d2t)
+    if init is None:
+        params = dmod.init_drafter_params(dcfg, jax.random.key(cfg.seed))
+    elif init.config != dcfg or not np.array_equal(init.d2t, d2t):
+        diff = sorted(f.name for f in dataclasses.fields(dcfg) if getattr(init.config, f.name) != getattr(dcfg, f.name))
+        raise ConfigError(f"init_from {cfg.init_from!r} does not match this run's drafter "
+                          f"(differs in {diff or ['draft vocabulary']})")
+    else:
+        params = _float32(init.params)
+    return dict(params=params, loss=loss, accept=accept, config=dcfg, d2t=d2t)
+
+
+def _float32(tree):
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _init_drafter(cfg: TrainConfig, target):
+    """The drafter named by `init_from` (checked against the run's kind and target), or None."""
+    if not cfg.init_from:
+        return None
+    from hsd_jax.api import load_drafter
+
+    return load_drafter(cfg.kind, cfg.init_from, target=target)
 
 
 def sd_draft_config(target_cfg, layers: int):
@@ -212,6 +240,11 @@ def _sd_task(cfg: TrainConfig, target) -> dict:
     picks = np.linspace(0, target.config.num_layers - 1, cfg.sd_layers).round().astype(int)
     tp = target.params
     params = {"layers": jax.tree.map(lambda a: jnp.asarray(a)[picks], tp["layers"]), "norm": tp["norm"]}
+    init = _init_drafter(cfg, target)
+    if init is not None:
+        if init.config != dcfg:
+            raise ConfigError(f"init_from {cfg.init_from!r} does not match this run's draft model (sd_layers {cfg.sd_layers})")
+        params = _float32({k: init.params[k] for k in params})
     frozen = {k: tp[k] for k in ("embed_tokens", "lm_head") if k in tp}
 
     def loss(params, batch, key):
