@@ -21,6 +21,8 @@ def main() -> None:
     ap.add_argument("--tree-nodes", type=int, default=None, help="default: the tuned tree for this hardware")
     ap.add_argument("--tree-depth", type=int, default=None)
     ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--drafter", action="append", default=[], metavar="KIND=DIR",
+                    help="use this drafter directory for a kind (e.g. hsd=runs/smollm2_hsd_v2/drafter); default: shipped")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -29,16 +31,17 @@ def main() -> None:
     from hsd_jax.prompts import load_suite
     from hsd_jax.tune import tree_options
 
+    paths = dict(d.split("=", 1) for d in args.drafter)
     target = load_target()
     ids = [target.encode(p, chat=True) for p in load_suite(args.suite, args.num_prompts)]
     batches = [ids[i: i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
     ar = [r.token_ids for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens)]
     tree = tree_options(args.tree_nodes, args.tree_depth, args.top_k)
     out = {"suite": args.suite, "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "tree": tree,
-           "methods": {}}
+           "drafters": paths, "methods": {}}
     for name in args.methods.split(","):
         kind, opts = method_spec(name)
-        drafter = load_drafter(kind, target=target)
+        drafter = load_drafter(kind, paths.get(kind), target=target)
         res = [r for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens, method=kind,
                                                     drafter=drafter, **opts, **({} if kind == "sd" else tree))]
         rounds = sum(r.stats["rounds"] for r in res)

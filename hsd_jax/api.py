@@ -164,6 +164,7 @@ def save_drafter(drafter, path: str) -> None:
         ckpt.save(os.path.abspath(params_path), drafter.params, force=True)
 
 
+DRAFTER_KINDS = ("hsd", "eagle", "sd", "ngram")
 SHIPPED_DRAFTERS = os.path.join(os.path.dirname(__file__), "drafters")
 
 
@@ -175,7 +176,8 @@ def shipped_drafter(kind: str, target: Target) -> str | None:
 
 def load_drafter(kind: str, path: str | None = None, *, target: Target, random_init: bool = False,
                  seed: int = 0, **config) -> "Drafter":
-    """A drafter for `target`: `hsd`, `eagle` (feature drafters) or `sd` (a small draft LM).
+    """A drafter for `target`: `hsd`, `eagle` (feature drafters), `sd` (a small draft LM) or
+    `ngram` (the bigram-table floor, built by `hsd data ngram`).
 
     From `path` (a directory written by `save_drafter`), the drafter shipped for the target
     (`hsd_jax/drafters/<model>/<kind>`) when no path is given, or random weights when asked
@@ -185,9 +187,10 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
 
     from hsd_jax.models import llama
     from hsd_jax.models.drafter import Drafter, DrafterConfig, init_drafter_params
+    from hsd_jax.models.ngram import NgramConfig
 
-    if kind not in ("hsd", "eagle", "sd"):
-        raise ConfigError(f"drafter kind must be hsd, eagle or sd, got {kind!r}")
+    if kind not in DRAFTER_KINDS:
+        raise ConfigError(f"drafter kind must be one of {', '.join(DRAFTER_KINDS)}, got {kind!r}")
     if path is None and not random_init:
         path = shipped_drafter(kind, target)
         if path is None:
@@ -210,7 +213,7 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
 
             raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
         try:
-            cfg = ModelConfig(**raw) if kind == "sd" else DrafterConfig(**raw)
+            cfg = {"sd": ModelConfig, "ngram": NgramConfig}.get(kind, DrafterConfig)(**raw)
         except TypeError as e:
             raise ModelLoadError(f"{meta}: {e}") from None
         d2t = np.load(d2t_path, allow_pickle=False) if os.path.isfile(d2t_path) else None
@@ -218,9 +221,18 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
             params = ckpt.restore(os.path.abspath(params_path))
         compute = jnp.bfloat16 if tcfg.dtype == "bfloat16" else jnp.float32
         params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        if kind == "ngram":
+            params = {k: params[k].astype(jnp.int32 if k == "next_tokens" else jnp.float32) for k in params}
+            d2t = None
         if kind == "sd":
             needed = ("embed_tokens",) if cfg.tie_word_embeddings else ("embed_tokens", "lm_head")
             params = dict({k: target.params[k] for k in needed if k not in params}, **params)
+    elif kind == "ngram":
+        cfg = NgramConfig(vocab_size=tcfg.vocab_size, **config)
+        rng = np.random.default_rng(seed)
+        params = {"next_tokens": rng.integers(0, cfg.vocab_size, (cfg.vocab_size, cfg.top_k), dtype=np.int32),
+                  "next_logp": np.tile(-np.arange(1, cfg.top_k + 1, dtype=np.float32), (cfg.vocab_size, 1))}
+        d2t = None
     elif kind == "sd":
         defaults = dict(vocab_size=tcfg.vocab_size, hidden_size=max(tcfg.hidden_size // 2, 16),
                         intermediate_size=max(tcfg.intermediate_size // 2, 32), num_layers=2,
@@ -233,7 +245,11 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         cfg = DrafterConfig.for_target(kind, tcfg, **config)
         params = init_drafter_params(cfg, jax.random.key(seed))
         d2t = np.arange(cfg.vd, dtype=np.int32)
-    if kind == "sd":
+    if kind == "ngram":
+        cfg.check_target(tcfg)
+        if params["next_tokens"].shape != (cfg.vocab_size, cfg.top_k):
+            raise ModelLoadError(f"n-gram table must be [{cfg.vocab_size}, {cfg.top_k}], got {params['next_tokens'].shape}")
+    elif kind == "sd":
         if cfg.vocab_size != tcfg.vocab_size:
             raise ConfigError(f"draft LM vocab {cfg.vocab_size} does not match the target's {tcfg.vocab_size}")
     else:
@@ -282,7 +298,7 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         unknown = set(options) - known
         if unknown:
             raise InputError(f"unknown options for method {method!r}: {', '.join(sorted(unknown))}")
-        if method in ("hsd", "eagle"):
+        if method in ("hsd", "eagle", "ngram"):
             from hsd_jax.tune import default_options
 
             options = dict(default_options(method), **options)

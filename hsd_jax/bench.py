@@ -26,7 +26,7 @@ import platform
 import statistics
 from typing import Callable
 
-METHOD_NAMES = ("ar", "sd", "eagle", "hsd", "hsd-noreuse", "hsd-refresh", "hsd-chain")
+METHOD_NAMES = ("ar", "sd", "eagle", "hsd", "ngram", "hsd-noreuse", "hsd-refresh", "hsd-chain")
 HSD_REUSE = {"hsd-noreuse": "none", "hsd-refresh": "refresh", "hsd-chain": "chain"}
 
 
@@ -51,7 +51,7 @@ def make_runner(target, name: str, drafter=None, *, tree: dict | None = None, ga
     from hsd_jax.api import generate
 
     method, options = method_spec(name)
-    if method in ("eagle", "hsd"):
+    if method in ("eagle", "hsd", "ngram"):
         options.update(tree or {})
     elif method == "sd":
         options["gamma"] = gamma

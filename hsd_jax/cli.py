@@ -24,7 +24,8 @@ def _add_generate(sub):
     p.add_argument("--max-cache-len", type=int, default=2048)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--attention-impl", choices=["auto", "pallas", "reference"], default="auto")
-    p.add_argument("--method", default="ar", choices=["ar", "sd", "eagle", "hsd"], help="decoding method")
+    p.add_argument("--method", default="ar", choices=["ar", "sd", "eagle", "hsd", "ngram"],
+                   help="decoding method (ngram: the bigram-table floor)")
     p.add_argument("--reuse", default=None, choices=["none", "chain", "refresh"],
                    help="hsd: after a rejection, recompute the chain (none), keep the stale chain (chain), or "
                         "re-anchor it on the verified features and keep the deeper states (refresh); "
@@ -125,6 +126,28 @@ def _add_data(sub):
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_data_generate)
+    n = dsub.add_parser("ngram", help="count response bigrams into the n-gram floor drafter (seconds, no training)")
+    n.add_argument("--model", default="smollm2-135m")
+    n.add_argument("--data", action="append", required=True, metavar="DIR", help="data directory (repeatable)")
+    n.add_argument("--out", required=True, help="output drafter directory")
+    n.add_argument("--top-k", type=int, default=8, help="successors kept per token (the widest tree branching)")
+    n.set_defaults(func=cmd_data_ngram)
+
+
+def cmd_data_ngram(a) -> int:
+    from hsd_jax.api import load_target
+    from hsd_jax.train.data import shard_paths
+    from hsd_jax.train.ngram import build_ngram_drafter
+
+    if a.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {a.top_k}")
+    for d in a.data:
+        if not os.path.isdir(d) or not shard_paths(d):
+            raise UsageError(f"no training data in {d!r}: run `hsd data generate --out {d}`")
+    target = load_target(a.model, max_cache_len=512, tokenizer=False)
+    command = "hsd data ngram " + " ".join(f"--data {d}" for d in a.data) + f" --out {a.out} --top-k {a.top_k}"
+    print(json.dumps(build_ngram_drafter(a.data, target, a.out, a.top_k, command)))
+    return 0
 
 
 def cmd_data_generate(a) -> int:
@@ -180,7 +203,7 @@ def _add_bench(sub):
     p = sub.add_parser("bench", help="methods side by side on a prompt suite: tau, tokens/s, speedup vs ar")
     p.add_argument("--suite", default="mt_bench", help="mt_bench|humaneval|gsm8k|alpaca|sum|qa|spec_bench|PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--methods", default="ar,sd,eagle,hsd", help="comma list of ar,sd,eagle,hsd,hsd-noreuse,hsd-refresh,hsd-chain "
+    p.add_argument("--methods", default="ar,sd,eagle,hsd", help="comma list of ar,sd,eagle,hsd,ngram,hsd-noreuse,hsd-refresh,hsd-chain "
                    "(hsd: the tuned reuse policy; the others force none / refresh / chain)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -217,11 +240,13 @@ def cmd_bench(a) -> int:
         raise UsageError(f"--num-prompts must be >= 1, got {a.num_prompts}")
     if a.temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {a.temperature}")
+    from hsd_jax.api import DRAFTER_KINDS
+
     paths = {}
     for item in a.drafter:
         kind, _, path = item.partition("=")
-        if kind not in ("sd", "eagle", "hsd") or not path:
-            raise UsageError(f"--drafter expects KIND=PATH with KIND sd, eagle or hsd, got {item!r}")
+        if kind not in DRAFTER_KINDS or not path:
+            raise UsageError(f"--drafter expects KIND=PATH with KIND one of {', '.join(DRAFTER_KINDS)}, got {item!r}")
         paths[kind] = path
     prompts = load_suite(a.suite, a.num_prompts)
     from hsd_jax.api import load_drafter, load_target

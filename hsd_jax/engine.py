@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from hsd_jax import tree as tree_lib
 from hsd_jax.cache import KVCache, advance, compact, init_cache
 from hsd_jax.config import ModelConfig, SamplingConfig
-from hsd_jax.models import drafter, llama
+from hsd_jax.models import drafter, llama, ngram
 from hsd_jax.models.layers import jnp_dtype
 from hsd_jax.sampling import sample, sample_from_probs, target_probs
 from hsd_jax.tree import Tree
@@ -92,7 +92,7 @@ def ar_generate(params, prompt_tokens, prompt_lens, key, *, cfg: ModelConfig, sa
 # Speculative decoding: draft -> verify -> accept -> commit -> update drafter, one jit.
 # ---------------------------------------------------------------------------------------------
 
-METHODS = ("ar", "sd", "eagle", "hsd")
+METHODS = ("ar", "sd", "eagle", "hsd", "ngram")
 REUSE_POLICIES = ("none", "chain", "refresh")
 
 
@@ -197,19 +197,37 @@ def hsd_chain_extend(dparams, dcfg, cache: KVCache, chain, start):
     return chain, cache, steps
 
 
+def grow_tree(first, children, root_tokens, spec: SpecConfig) -> Tree:
+    """A dynamic tree from top-k drafts: `first` = (tokens, log-probs) [B, k] at depth 1 and
+    `children(j, frontier_tokens)` -> the same [B, F, k] for the children at depth j+1."""
+    k = spec.tree_top_k
+    depth_tokens, depth_scores, depth_parents = [first[0]], [first[1]], [jnp.full_like(first[0], -1)]
+    for j in range(1, spec.tree_depth):
+        fidx, ftok, fscore = tree_lib.expand_frontier(depth_tokens[-1], depth_scores[-1], k)
+        ctok, clogp = children(j, ftok)
+        t, s, par = tree_lib.child_candidates(fscore, clogp, ctok, frontier_idx=fidx)
+        depth_tokens.append(t), depth_scores.append(s), depth_parents.append(par)
+    return tree_lib.dynamic_tree(depth_tokens, depth_scores, depth_parents, root_tokens, spec.slots)
+
+
 def hsd_draft(dparams, dcfg, view, chain, root_tokens, spec: SpecConfig) -> Tree:
     """Grow a dynamic tree from the stored chain g_p..g_{p+D-1}: depth j+1 reads g_{p+j} with
     each frontier token injected; one batched read-out per depth."""
     k = spec.tree_top_k
-    toks, scores = _topk_draft(drafter.readout(dparams, dcfg, view, chain[:, 0], root_tokens), view, k)
-    depth_tokens, depth_scores, depth_parents = [toks], [scores], [jnp.full_like(toks, -1)]
-    for j in range(1, spec.tree_depth):
-        fidx, ftok, fscore = tree_lib.expand_frontier(depth_tokens[-1], depth_scores[-1], k)
+
+    def children(j, ftok):
         g = jnp.broadcast_to(chain[:, j][:, None], ftok.shape + chain.shape[-1:])
-        ctok, clogp = _topk_draft(drafter.readout(dparams, dcfg, view, g, ftok), view, k)
-        t, s, par = tree_lib.child_candidates(fscore, clogp, ctok, frontier_idx=fidx)
-        depth_tokens.append(t), depth_scores.append(s), depth_parents.append(par)
-    return tree_lib.dynamic_tree(depth_tokens, depth_scores, depth_parents, root_tokens, spec.slots)
+        return _topk_draft(drafter.readout(dparams, dcfg, view, g, ftok), view, k)
+
+    first = _topk_draft(drafter.readout(dparams, dcfg, view, chain[:, 0], root_tokens), view, k)
+    return grow_tree(first, children, root_tokens, spec)
+
+
+def ngram_draft(table, root_tokens, spec: SpecConfig) -> Tree:
+    """The n-gram floor: every node's children are its token's most frequent successors."""
+    k = spec.tree_top_k
+    return grow_tree(ngram.children(table, root_tokens, k), lambda j, ftok: ngram.children(table, ftok, k),
+                     root_tokens, spec)
 
 
 def eagle_draft(dparams, dcfg, view, cache: KVCache, root_g, root_tokens, spec: SpecConfig):
@@ -357,7 +375,7 @@ def sd_update(dparams, dcfg: ModelConfig, cache: KVCache, draft_tokens, acc: Acc
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "sampling", "max_new_tokens", "capacity"))
 def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcfg: ModelConfig, dcfg,
                   spec: SpecConfig, sampling: SamplingConfig, max_new_tokens: int, capacity: int) -> SpecOutput:
-    """Speculative decoding (sd, eagle or hsd) for a batch, all rounds in one `lax.while_loop`."""
+    """Speculative decoding (sd, eagle, hsd or ngram) for a batch, all rounds in one `lax.while_loop`."""
     b, t_prompt = prompt_tokens.shape
     depth = spec.depth
     dt = jnp_dtype(tcfg)
@@ -374,6 +392,8 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
         _, dout = prefill(dparams, dcfg, prompt_tokens, prompt_lens, dcache)
         dstate = (dout.cache,)
         view = None
+    elif spec.method == "ngram":
+        dstate, view = (), None
     else:
         lcfg = dcfg.layer_config()
         dcache = init_cache(lcfg.num_layers, b, lcfg.num_kv_heads, capacity, lcfg.head_dim, jnp.float32)
@@ -409,6 +429,8 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
             dsteps = zero_steps
         elif spec.method == "eagle":
             tree, dsteps = eagle_draft(dparams, dcfg, view, dstate[0], dstate[1], root, spec)
+        elif spec.method == "ngram":
+            tree, dsteps = ngram_draft(dparams, root, spec), zero_steps
         else:
             dtoks, q, dcache = sd_draft(dparams, dcfg, dstate[0], root, k_draft, spec, sampling)
             dstate = (dcache,)
@@ -425,6 +447,8 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
         elif spec.method == "eagle":
             dcache, root_g = eagle_update(dparams, dcfg, view, dstate[0], tree, acc, vout.features, live)
             dstate, more = (dcache, root_g), live.astype(jnp.int32)
+        elif spec.method == "ngram":
+            more = zero_steps
         else:
             dcache, more = sd_update(dparams, dcfg, dstate[0], draft[0], acc, live)
             dstate = (dcache,)

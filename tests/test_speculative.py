@@ -13,7 +13,7 @@ from hsd_jax.models.drafter import Drafter
 from tests.helpers import bigram_target, jax_logits, tiny_target, zero_layers
 
 METHODS = [("hsd", dict(reuse="none")), ("hsd", dict(reuse="chain")), ("hsd", dict(reuse="refresh")),
-           ("eagle", {}), ("sd", {})]
+           ("eagle", {}), ("sd", {}), ("ngram", {})]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def drafters(tiny):
-    return {k: load_drafter(k, target=tiny, random_init=True, seed=1) for k in ("hsd", "eagle", "sd")}
+    return {k: load_drafter(k, target=tiny, random_init=True, seed=1) for k in ("hsd", "eagle", "sd", "ngram")}
 
 
 @pytest.mark.parametrize("method, opts", METHODS)
@@ -65,7 +65,14 @@ def test_oracle_drafters_reach_full_acceptance():
     hsd.params = dict(zero_layers(hsd.params), inject={"w": jnp.eye(d)})
     eagle = load_drafter("eagle", target=tgt, random_init=True, readout="plain")
     eagle.params = dict(zero_layers(eagle.params), fc={"kernel": jnp.concatenate([jnp.zeros((d, d)), jnp.eye(d)])})
-    for dr, opts in [(hsd, dict(reuse="chain")), (hsd, dict(reuse="none")), (eagle, {})]:
+    # the n-gram floor counted from the target's own greedy continuations of every token
+    from hsd_jax.models.ngram import NgramConfig, bigram_table
+
+    firsts = [[t] for t in range(tgt.config.vocab_size)]
+    seqs = [np.array(p + r.token_ids) for p, r in zip(firsts, generate(tgt, firsts, max_new_tokens=4))]
+    ncfg = NgramConfig(vocab_size=tgt.config.vocab_size, top_k=2)
+    ngram = Drafter("ngram", bigram_table(seqs, [1] * len(seqs), ncfg), ncfg)
+    for dr, opts in [(hsd, dict(reuse="chain")), (hsd, dict(reuse="none")), (eagle, {}), (ngram, {})]:
         r = generate(tgt, prompt, max_new_tokens=n_new, method=dr.kind, drafter=dr,
                      tree_nodes=8, tree_depth=depth, tree_top_k=2, **opts)[0]
         assert r.token_ids == ref
@@ -161,7 +168,7 @@ def test_drafter_save_load_round_trip(tmp_path, tiny, drafters):
     from hsd_jax import save_drafter
     from hsd_jax.loading.errors import ModelLoadError
 
-    for kind in ("hsd", "eagle", "sd"):
+    for kind in ("hsd", "eagle", "sd", "ngram"):
         d = drafters[kind]
         save_drafter(d, str(tmp_path / kind))
         back = load_drafter(kind, str(tmp_path / kind), target=tiny)
