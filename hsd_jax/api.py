@@ -303,6 +303,9 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
 
             options = dict(default_options(method), **options)
         spec = engine.SpecConfig(method=method, **options)
+        if method == "ngram" and spec.tree_top_k > drafter.config.top_k:
+            raise InputError(f"tree_top_k {spec.tree_top_k} exceeds the n-gram table's {drafter.config.top_k} "
+                             "successors per token")
     elif options:
         raise InputError(f"unknown options for method 'ar': {', '.join(sorted(options))}")
     ids = encode_prompts(target, prompts, chat)

@@ -72,3 +72,13 @@ def test_hsd_data_ngram_builds_a_loadable_drafter(tmp_path):
     bad = subprocess.run(cmd[:7] + ["--data", str(tmp_path / "none"), "--out", str(tmp_path / "x")], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: no training data in")
+
+
+def test_tree_wider_than_the_table_is_refused():
+    from hsd_jax import InputError, generate, load_drafter
+
+    tiny = tiny_target(vocab=64)
+    dr = load_drafter("ngram", target=tiny, random_init=True, top_k=2)
+    with pytest.raises(InputError, match="tree_top_k 3 exceeds the n-gram table's 2"):
+        generate(tiny, [[1, 2, 3]], max_new_tokens=8, method="ngram", drafter=dr, tree_nodes=6, tree_depth=2,
+                 tree_top_k=3)

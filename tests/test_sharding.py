@@ -54,6 +54,11 @@ def check_generate(report):
         ar = _ids(generate(t, prompts, max_new_tokens=16, mesh=mesh))
         hsd = _ids(generate(t, prompts, max_new_tokens=16, method="hsd", drafter=d, mesh=mesh, **SPEC))
         report[f"generate_{data}x{model}"] = {"ar": ar == ref_ar, "hsd": hsd == ref_hsd}
+    ng = load_drafter("ngram", target=t, random_init=True, top_k=SPEC["tree_top_k"])
+    ref_ng = _ids(generate(t, prompts, max_new_tokens=16, method="ngram", drafter=ng, **SPEC))
+    on_mesh = _ids(generate(t, prompts, max_new_tokens=16, method="ngram", drafter=ng, mesh=sharding.make_mesh(2, 4),
+                            **SPEC))
+    report["ngram_2x4"] = {"single_matches_ar": ref_ng == ref_ar, "mesh_matches_single": on_mesh == ref_ng}
 
 
 def check_pallas(report):
@@ -269,6 +274,10 @@ def test_mesh_matches_single_device(report, mesh):
 
 def test_greedy_hsd_matches_ar(report):
     assert report["ref_hsd_matches_ar"]
+
+
+def test_ngram_floor_on_a_mesh(report):
+    assert report["ngram_2x4"] == {"single_matches_ar": True, "mesh_matches_single": True}
 
 
 def test_pallas_attention_runs_per_shard(report):
