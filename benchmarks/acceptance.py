@@ -17,7 +17,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=80)
     ap.add_argument("--batch-size", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--methods", default="hsd-noreuse,hsd-refresh,hsd-chain,eagle,sd")
+    ap.add_argument("--methods", default="hsd-noreuse,hsd-refresh,hsd-chain,eagle,sd,ngram")
     ap.add_argument("--tree-nodes", type=int, default=None, help="default: the tuned tree for this hardware")
     ap.add_argument("--tree-depth", type=int, default=None)
     ap.add_argument("--top-k", type=int, default=None)
