@@ -27,11 +27,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from hsd_jax import generate, load_drafter, load_target
-    from hsd_jax.bench import method_spec
+    from hsd_jax.bench import drafter_paths, method_spec
     from hsd_jax.prompts import load_suite
     from hsd_jax.tune import tree_options
 
-    paths = dict(d.split("=", 1) for d in args.drafter)
+    paths = drafter_paths(args.drafter)
     target = load_target()
     ids = [target.encode(p, chat=True) for p in load_suite(args.suite, args.num_prompts)]
     batches = [ids[i: i + args.batch_size] for i in range(0, len(ids), args.batch_size)]

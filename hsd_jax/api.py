@@ -222,7 +222,7 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         compute = jnp.bfloat16 if tcfg.dtype == "bfloat16" else jnp.float32
         params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
         if kind == "ngram":
-            params = {k: params[k].astype(jnp.int32 if k == "next_tokens" else jnp.float32) for k in params}
+            params = dict(params, next_logp=params["next_logp"].astype(jnp.float32))  # scores stay f32 under bf16
             d2t = None
         if kind == "sd":
             needed = ("embed_tokens",) if cfg.tie_word_embeddings else ("embed_tokens", "lm_head")

@@ -45,6 +45,19 @@ def method_spec(name: str) -> tuple[str, dict]:
     return name, {}
 
 
+def drafter_paths(items) -> dict[str, str]:
+    """Repeated `--drafter KIND=PATH` flags as {kind: path}."""
+    from hsd_jax.api import DRAFTER_KINDS
+
+    paths = {}
+    for item in items:
+        kind, _, path = item.partition("=")
+        if kind not in DRAFTER_KINDS or not path:
+            raise BenchError(f"--drafter expects KIND=PATH with KIND one of {', '.join(DRAFTER_KINDS)}, got {item!r}")
+        paths[kind] = path
+    return paths
+
+
 def make_runner(target, name: str, drafter=None, *, tree: dict | None = None, gamma: int = 4,
                 temperature: float = 0.0, max_new_tokens: int = 128, seed: int = 0, mesh=None) -> Callable:
     """A callable(batch of token-id prompts) -> list[GenerationResult] for one method."""

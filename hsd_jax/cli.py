@@ -225,7 +225,8 @@ def _add_bench(sub):
 
 
 def cmd_bench(a) -> int:
-    from hsd_jax.bench import BenchError, format_table, machine_info, make_runner, method_spec, plot, run_bench
+    from hsd_jax.bench import (BenchError, drafter_paths, format_table, machine_info, make_runner, method_spec, plot,
+                               run_bench)
     from hsd_jax.prompts import load_suite
 
     names = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -240,14 +241,7 @@ def cmd_bench(a) -> int:
         raise UsageError(f"--num-prompts must be >= 1, got {a.num_prompts}")
     if a.temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {a.temperature}")
-    from hsd_jax.api import DRAFTER_KINDS
-
-    paths = {}
-    for item in a.drafter:
-        kind, _, path = item.partition("=")
-        if kind not in DRAFTER_KINDS or not path:
-            raise UsageError(f"--drafter expects KIND=PATH with KIND one of {', '.join(DRAFTER_KINDS)}, got {item!r}")
-        paths[kind] = path
+    paths = drafter_paths(a.drafter)
     prompts = load_suite(a.suite, a.num_prompts)
     from hsd_jax.api import load_drafter, load_target
     from hsd_jax.tune import tree_options

@@ -42,24 +42,9 @@ def load_tuned(key: str | None = None) -> dict | None:
         return json.load(f)
 
 
-def default_tree() -> dict:
-    """The tuned tree for this hardware, else the backend's default."""
-    import jax
-
-    tuned = load_tuned()
-    if tuned:
-        return dict(tuned["tree"])
-    return dict(DEFAULT_TREES.get(jax.default_backend(), DEFAULT_TREES["gpu"]))
-
-
-def default_reuse() -> str:
-    """The HSD reuse policy `hsd tune` measured fastest on this hardware, else `refresh`."""
-    tuned = load_tuned()
-    return tuned.get("reuse", "refresh") if tuned else "refresh"
-
-
 def default_options(method: str) -> dict:
-    """Tree (and for `hsd` the reuse policy) defaults for this hardware from one read of the tuned file."""
+    """Tree (and for `hsd` the reuse policy) defaults for this hardware from one read of the tuned
+    file; without one, the backend's default tree and reuse `refresh`."""
     import jax
 
     tuned = load_tuned()
@@ -67,6 +52,16 @@ def default_options(method: str) -> dict:
     if method == "hsd":
         opts["reuse"] = tuned.get("reuse", "refresh") if tuned else "refresh"
     return opts
+
+
+def default_tree() -> dict:
+    """The tuned tree for this hardware, else the backend's default."""
+    return default_options("tree")
+
+
+def default_reuse() -> str:
+    """The HSD reuse policy `hsd tune` measured fastest on this hardware, else `refresh`."""
+    return default_options("hsd")["reuse"]
 
 
 def tree_options(nodes: int | None = None, depth: int | None = None, top_k: int | None = None) -> dict:

@@ -33,12 +33,17 @@ class NgramConfig:
                  f"n-gram table vocab {self.vocab_size} does not match the target's {target_cfg.vocab_size}")
 
 
+def response_bigrams(seqs, prompt_lens) -> np.ndarray:
+    """[N, 2] (previous, next) token pairs whose next token is a response token."""
+    pairs = [np.stack([s[max(p - 1, 0):-1], s[max(p, 1):]], 1) for s, p in zip(seqs, prompt_lens) if len(s) > max(p, 1)]
+    return np.concatenate(pairs) if pairs else np.zeros((0, 2), np.int64)
+
+
 def bigram_table(seqs, prompt_lens, cfg: NgramConfig) -> dict:
     """{"next_tokens" [V, K] int32, "next_logp" [V, K] f32} from the response bigrams of `seqs`
     (a response's first token follows the prompt's last). Ties break by lower token id."""
     v, k = cfg.vocab_size, cfg.top_k
-    pairs = [np.stack([s[max(p - 1, 0):-1], s[max(p, 1):]], 1) for s, p in zip(seqs, prompt_lens) if len(s) > max(p, 1)]
-    pairs = np.concatenate(pairs) if pairs else np.zeros((0, 2), np.int64)
+    pairs = response_bigrams(seqs, prompt_lens)
     _require(len(pairs) > 0 and pairs.min() >= 0 and pairs.max() < v, f"training tokens must be ids in [0, {v})")
     uniq, counts = np.unique(pairs[:, 0].astype(np.int64) * v + pairs[:, 1], return_counts=True)
     prev, nxt = uniq // v, uniq % v

@@ -14,7 +14,7 @@ def build_ngram_drafter(data_dirs, target, out: str, top_k: int = 8, command: st
     card, and return a summary (pairs counted, tokens with a learned row)."""
     from hsd_jax.api import save_drafter
     from hsd_jax.models.drafter import Drafter
-    from hsd_jax.models.ngram import NgramConfig, bigram_table
+    from hsd_jax.models.ngram import NgramConfig, bigram_table, response_bigrams
 
     t0 = time.time()
     dirs = [data_dirs] if isinstance(data_dirs, str) else list(data_dirs)
@@ -22,11 +22,8 @@ def build_ngram_drafter(data_dirs, target, out: str, top_k: int = 8, command: st
     cfg = NgramConfig(vocab_size=target.config.vocab_size, top_k=top_k)
     table = bigram_table(seqs, plens, cfg)
     save_drafter(Drafter("ngram", table, cfg, None), out)
-    pairs = int(sum(max(len(s) - max(p, 1), 0) for s, p in zip(seqs, plens)))
-    seen = np.zeros(cfg.vocab_size, bool)
-    for s, p in zip(seqs, plens):
-        seen[s[max(p - 1, 0):-1]] = True
-    summary = dict(pairs=pairs, tokens_with_row=int(seen.sum()), seconds=round(time.time() - t0, 1))
+    pairs = response_bigrams(seqs, plens)
+    summary = dict(pairs=len(pairs), tokens_with_row=len(np.unique(pairs[:, 0])), seconds=round(time.time() - t0, 1))
     card = [f"# ngram drafter for {target.name}", "",
             "The free floor among the HSD baselines: each token's most frequent next tokens in the self-distilled",
             "training responses (bigram counts), their log conditional frequencies as draft scores. Tokens",
