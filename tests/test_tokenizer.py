@@ -143,5 +143,5 @@ def test_load_generate_decode_without_torch():
         print(repr(out[0].text))
         assert out[0].text.strip(), out[0].text
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
     assert r.returncode == 0, r.stderr[-3000:]

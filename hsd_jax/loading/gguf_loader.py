@@ -36,7 +36,7 @@ def default_gguf_path() -> str:
     folder = None
     if spec is not None:
         if spec.submodule_search_locations:
-            folder = list(spec.submodule_search_locations)[0]
+            folder = next(iter(spec.submodule_search_locations))
         elif spec.origin:
             folder = os.path.dirname(spec.origin)
     if folder is None:
