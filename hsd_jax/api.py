@@ -219,12 +219,10 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         d2t = np.load(d2t_path, allow_pickle=False) if os.path.isfile(d2t_path) else None
         with ocp.StandardCheckpointer() as ckpt:
             params = ckpt.restore(os.path.abspath(params_path))
-        compute = jnp.bfloat16 if tcfg.dtype == "bfloat16" else jnp.float32
-        params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
         if kind == "ngram":
-            params = dict(params, next_logp=params["next_logp"].astype(jnp.float32))  # scores stay f32 under bf16
             d2t = None
         if kind == "sd":
+            cfg = cfg.replace(dtype=tcfg.dtype)  # the draft LM computes in the target's dtype, as it is cast below
             needed = ("embed_tokens",) if cfg.tie_word_embeddings else ("embed_tokens", "lm_head")
             params = dict({k: target.params[k] for k in needed if k not in params}, **params)
     elif kind == "ngram":
@@ -245,7 +243,10 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         cfg = DrafterConfig.for_target(kind, tcfg, **config)
         params = init_drafter_params(cfg, jax.random.key(seed))
         d2t = np.arange(cfg.vd, dtype=np.int32)
+    compute = jnp.bfloat16 if tcfg.dtype == "bfloat16" else jnp.float32  # the target's compute dtype
+    params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     if kind == "ngram":
+        params = dict(params, next_logp=jnp.asarray(params["next_logp"], jnp.float32))  # scores stay f32 under bf16
         cfg.check_target(tcfg)
         if params["next_tokens"].shape != (cfg.vocab_size, cfg.top_k):
             raise ModelLoadError(f"n-gram table must be [{cfg.vocab_size}, {cfg.top_k}], got {params['next_tokens'].shape}")
@@ -273,18 +274,24 @@ def _shard_args(args, mesh, target: Target, drafter, batch: int):
 
 def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False, method: str = "ar",
-             drafter=None, mesh=None, **options) -> list[GenerationResult]:
+             drafter=None, mesh=None, prompt_bucket: int = 16, **options) -> list[GenerationResult]:
     """Generate a continuation per prompt with one jitted decode loop; one result per prompt.
 
     mesh: a `hsd_jax.sharding.make_mesh(data, model)` mesh to run on several devices: params
     are placed into their shards (heads / MLP / vocab over `model`), prompts and KV caches over
     `data` (the number of prompts must divide by it), and XLA partitions the loop. Pallas
     tree attention then runs per shard under `jax.shard_map`.
+
+    prompt_bucket: prompts are right-padded to a multiple of this many tokens; each padded
+    length compiles once, so a larger bucket trades a little prefill for fewer compiles
+    (accelerators, where a compile costs more than the padding).
     """
     from hsd_jax import engine
 
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prompt_bucket < 1:
+        raise InputError(f"prompt_bucket must be >= 1, got {prompt_bucket}")
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
     if method not in engine.METHODS:
         raise InputError(f"unknown method {method!r}; available: {', '.join(engine.METHODS)}")
@@ -315,7 +322,9 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         raise InputError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens}"
                          + (f" + draft tree {slack}" if slack else "")
                          + f" exceeds the cache capacity max_cache_len={target.max_cache_len}")
-    tokens, lengths = pad_prompts(ids)
+    tokens, lengths = pad_prompts(ids, prompt_bucket)
+    if tokens.shape[1] + max_new_tokens + slack > target.max_cache_len:  # the bucket would overflow the cache
+        tokens, lengths = pad_prompts(ids)
     capacity = min(round_up(tokens.shape[1] + max_new_tokens + slack, 128), round_up(target.max_cache_len, 16))
     key = jax.random.key(seed)
     if spec is None:

@@ -12,9 +12,12 @@ JSON schema (`--json OUT`):
       "tokens_per_s": median over batches of new tokens / wall seconds,
       "speedup_vs_ar": median over batches of (ar seconds per token) / (method seconds per token),
       "identical_to_ar": true when every output equals ar's token for token (T = 0 only, else null),
+      "prefix_match": {"mean", "min"} over prompts of the fraction of ar's tokens matched before the
+                      first difference (T = 0 only; 1.0 when identical; bf16 near-ties can flip tokens),
       "drafter_forwards_per_token": sequential drafter calls per new token,
       "accepted_hist": rounds by number of accepted draft tokens,
-      "new_tokens", "rounds", "compile_seconds", "options"
+      "new_tokens", "prompts" (run; fewer than asked when a deadline cut the run), "rounds",
+      "compile_seconds", "options"
     }
   }
 }
@@ -59,7 +62,8 @@ def drafter_paths(items) -> dict[str, str]:
 
 
 def make_runner(target, name: str, drafter=None, *, tree: dict | None = None, gamma: int = 4,
-                temperature: float = 0.0, max_new_tokens: int = 128, seed: int = 0, mesh=None) -> Callable:
+                temperature: float = 0.0, max_new_tokens: int = 128, seed: int = 0, mesh=None,
+                prompt_bucket: int = 16) -> Callable:
     """A callable(batch of token-id prompts) -> list[GenerationResult] for one method."""
     from hsd_jax.api import generate
 
@@ -71,7 +75,7 @@ def make_runner(target, name: str, drafter=None, *, tree: dict | None = None, ga
 
     def run(ids):
         return generate(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                        method=method, drafter=drafter, mesh=mesh, **options)
+                        method=method, drafter=drafter, mesh=mesh, prompt_bucket=prompt_bucket, **options)
 
     run.options = options
     return run
@@ -87,8 +91,13 @@ def machine_info() -> dict:
 
 
 def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_size: int = 1,
-              temperature: float = 0.0, progress: bool = True) -> dict:
-    """Run every method on every batch of prompts, interleaved; returns the per-method summary."""
+              temperature: float = 0.0, progress: bool = True, deadline: float | None = None) -> dict:
+    """Run every method on every batch of prompts, interleaved; returns the per-method summary.
+
+    deadline: a `time.time()` after which no new batch starts (time-boxed runs); the summary
+    then covers the batches run so far, counted in each method's `prompts`."""
+    import time
+
     from tqdm import tqdm
 
     if "ar" not in runners:
@@ -104,6 +113,8 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
            for name in runners}
     bar = tqdm(total=len(batches) * len(runners), desc="bench", unit="run", disable=not progress)
     for batch in batches:
+        if deadline is not None and time.time() > deadline and per["ar"]["tokens"]:
+            break
         for name, run in runners.items():
             res = run(batch)
             rec = per[name]
@@ -129,14 +140,25 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
             "tokens_per_s": round(statistics.median(t / s for t, s in zip(rec["tokens"], rec["seconds"])), 3),
             "speedup_vs_ar": round(statistics.median(a / m for a, m in zip(ar_spt, spt)), 4),
             "identical_to_ar": (rec["outputs"] == ar["outputs"]) if temperature == 0 else None,
+            "prefix_match": prefix_match(rec["outputs"], ar["outputs"]) if temperature == 0 else None,
             "drafter_forwards_per_token": round(rec["dsteps"] / max(new, 1), 4),
             "accepted_hist": rec["hist"],
             "new_tokens": new,
+            "prompts": len(rec["outputs"]),
             "rounds": rec["rounds"],
             "compile_seconds": round(compile_s[name], 2),
             "options": getattr(runners[name], "options", {}),
         }
     return out
+
+
+def prefix_match(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """Mean and min over sequences of the share of `reference` matched before the first difference."""
+    fracs = []
+    for out, ref in zip(outputs, reference):
+        n = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        fracs.append(1.0 if out == ref else n / max(len(ref), 1))
+    return {"mean": round(sum(fracs) / max(len(fracs), 1), 4), "min": round(min(fracs, default=1.0), 4)}
 
 
 def format_table(methods: dict) -> str:

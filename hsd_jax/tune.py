@@ -156,14 +156,17 @@ def _summary(runs: list[tuple], ar_runs: list[tuple] | None = None) -> dict:
 
 
 def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None = None, max_new_tokens: int = 64,
-         finalists: int = 4, log=print) -> dict:
+         finalists: int = 4, curve: dict[int, float] | None = None, tuned_dir: str | None = None,
+         log=print) -> dict:
     """Pick the tree (and for HSD the reuse policy) with the most tokens/s at batch 1; write
     `hsd_jax/tuned/<hardware>.json`; returns the report.
 
     Stage 1 runs every tree of the grid on the first half of `prompts` (at least 2); stage 2
     reruns the `finalists` fastest trees (x every reuse policy for HSD) interleaved with ar on
-    all `prompts`, and the median speedup over prompts decides."""
-    curve = verify_cost_curve(target)
+    all `prompts`, and the median speedup over prompts decides. `curve`: a verify-cost curve
+    already measured (`verify_cost_curve`), else it is measured first. `tuned_dir`: where the
+    result goes (default `TUNED_DIR`, read by `generate`)."""
+    curve = curve or verify_cost_curve(target)
     log("verify cost (ms) by new tokens: " + ", ".join(f"{n}:{ms:.1f}" for n, ms in curve.items()))
     max_nodes = max(n for n, ms in curve.items() if ms <= 3 * curve[1]) - 1
     grid = grid or candidate_trees(max(max_nodes, 2))
@@ -200,8 +203,8 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
               "max_new_tokens": max_new_tokens}
     if "reuse" in choice:
         report["reuse"] = choice["reuse"]
-    os.makedirs(TUNED_DIR, exist_ok=True)
-    with open(os.path.join(TUNED_DIR, f"{report['hardware']}.json"), "w") as f:
+    os.makedirs(tuned_dir or TUNED_DIR, exist_ok=True)
+    with open(os.path.join(tuned_dir or TUNED_DIR, f"{report['hardware']}.json"), "w") as f:
         json.dump(report, f, indent=1)
     log(f"best: {best} at {final[best]['tokens_per_s']:.1f} tok/s vs ar {final['ar']['tokens_per_s']:.1f} tok/s "
         f"({final[best]['speedup_vs_ar']:.2f}x), tau {final[best]['tau']:.2f}")

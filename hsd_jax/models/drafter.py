@@ -169,8 +169,12 @@ def eagle_inputs(params: dict, cfg: DrafterConfig, view: TargetView, feats: jax.
 
 
 def run_layers(params: dict, cfg: DrafterConfig, z, positions, cache, parents=None):
-    """The drafter's decoder layer(s) over inputs z [B, T, d]; returns (outputs [B, T, d], cache)."""
-    out = llama.forward_embeddings(params, cfg.layer_config(), z, positions, cache, parents)
+    """The drafter's decoder layer(s) over inputs z [B, T, d]; returns (outputs [B, T, d], cache).
+
+    The layer computes in its weights' dtype (bf16 beside a bf16 target, f32 in training)."""
+    dtype = jnp.dtype(params["layers"]["q_proj"]["kernel"].dtype)
+    lcfg = cfg.layer_config().replace(dtype=dtype.name)
+    out = llama.forward_embeddings(params, lcfg, z.astype(dtype), positions, cache, parents)
     return out.features, out.cache
 
 

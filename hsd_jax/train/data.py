@@ -114,11 +114,16 @@ def existing_prompts(data_dirs) -> set[tuple[int, ...]]:
 
 
 def generate_data(target, prompts: list, out_dir: str, *, batch_size: int = 48, max_new_tokens: int = 128,
-                  max_prompt_tokens: int = 256, temperature: float = 0.0, seed: int = 0, progress: bool = True) -> int:
+                  max_prompt_tokens: int = 256, temperature: float = 0.0, seed: int = 0, progress: bool = True,
+                  prompt_bucket: int = 16, deadline: float | None = None) -> int:
     """Let the target answer `prompts` (strings get the chat template; token-id lists are used
     as they are), `batch_size` per shard; resumable.
 
+    prompt_bucket: padding multiple of the prompts (see `generate`; larger = fewer compiles).
+    deadline: a `time.time()` after which no new shard is started (time-boxed runs).
     Returns the number of response tokens written by this call."""
+    import time
+
     from tqdm import tqdm
 
     from hsd_jax.api import generate
@@ -132,11 +137,14 @@ def generate_data(target, prompts: list, out_dir: str, *, batch_size: int = 48, 
         if os.path.exists(path):
             bar.update(1)
             continue
+        if deadline is not None and time.time() > deadline:
+            break
         encoded = (target.encode(p, chat=True) if isinstance(p, str) else list(p) for p in batch)
         ids = [i for i in encoded if len(i) <= max_prompt_tokens]
         if not ids:
             continue
-        res = generate(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + b)
+        res = generate(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + b,
+                       prompt_bucket=prompt_bucket)
         write_shard(path, [i + r.token_ids for i, r in zip(ids, res)], [len(i) for i in ids])
         written += sum(len(r.token_ids) for r in res)
         bar.update(1)

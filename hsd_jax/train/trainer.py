@@ -7,6 +7,7 @@ exports the final drafter with `save_drafter` (bf16 params) plus metrics.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -50,6 +51,8 @@ class TrainConfig:
     holdout_fraction: float = 0.05
     sd_layers: int = 3
     init_from: str = ""  # a drafter directory (`hsd train` output) to start from instead of random weights
+    max_seconds: float = 0.0  # stop this run after so many seconds of training (0: no limit), then export
+    feature_batch: int = 8  # sequences per target prefill when building the feature cache
     seed: int = 0
 
     def __post_init__(self):
@@ -64,11 +67,13 @@ class TrainConfig:
         if not self.out_dir:
             raise ConfigError("out_dir is required")
         for name in ("steps", "batch_size", "window", "unroll", "ce_positions", "save_every", "eval_every",
-                     "max_to_keep"):
+                     "max_to_keep", "feature_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.max_seconds < 0:
+            raise ConfigError(f"max_seconds must be >= 0 (0: no limit), got {self.max_seconds}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise ConfigError("warmup_steps and weight_decay must be >= 0 and grad_clip > 0")
         if self.init_from and not os.path.isfile(os.path.join(self.init_from, "drafter.json")):
@@ -156,9 +161,22 @@ def feature_rms(data: SequenceData, n: int = 64) -> float:
 
 
 def make_optimizer(cfg: TrainConfig):
-    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, min(cfg.warmup_steps, cfg.steps - 1),
-                                               cfg.steps, cfg.learning_rate * 0.05)
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(sched, weight_decay=cfg.weight_decay))
+    """AdamW without its learning rate: the train step scales the update by `learning_rate(...)`,
+    so a run can follow its schedule by step or, under `max_seconds`, by elapsed time."""
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.scale_by_adam(),
+                       optax.add_decayed_weights(cfg.weight_decay))
+
+
+def learning_rate(cfg: TrainConfig, step: int, elapsed: float = 0.0) -> float:
+    """Linear warmup over `warmup_steps`, then cosine decay to 5% of the peak. Progress is the
+    step's share of `steps` or, when `max_seconds` is set, the larger of that and the share of
+    the time budget spent: a time-boxed run still ends on a low rate."""
+    warm = min(1.0, (step + 1) / max(min(cfg.warmup_steps, cfg.steps - 1), 1))
+    frac = step / cfg.steps
+    if cfg.max_seconds:
+        frac = max(frac, elapsed / cfg.max_seconds)
+    cosine = 0.5 * (1.0 + np.cos(np.pi * min(frac, 1.0)))
+    return float(cfg.learning_rate * warm * (0.05 + 0.95 * cosine))
 
 
 def run_vocab(cfg: TrainConfig, target, data: SequenceData, init=None) -> tuple[np.ndarray, float]:
@@ -257,11 +275,15 @@ def _sd_task(cfg: TrainConfig, target) -> dict:
 
 
 def make_train_step(loss_fn, tx, example_state=None):
-    """The jitted optimizer step (state, batch, key) -> (state, metrics). Given a sharded
-    `example_state`, the new state keeps its shardings and metrics come back replicated."""
-    def step(state, batch, key):
+    """The jitted optimizer step (state, batch, key[, lr]) -> (state, metrics). With `lr` the
+    transformation's update is a direction, scaled by -lr (see `make_optimizer`); without it the
+    update is applied as it is. Given a sharded `example_state`, the new state keeps its
+    shardings and metrics come back replicated."""
+    def step(state, batch, key, lr=None):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key)
         updates, opt = tx.update(grads, state["opt"], state["params"])
+        if lr is not None:
+            updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, dict(metrics, loss=loss)
 
     leaves = jax.tree.leaves(example_state)
@@ -297,7 +319,7 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     if cfg.kind != "sd":
         cache_dir = cfg.feature_cache or os.path.join(cfg.out_dir, "features")
         for data_dir in cfg.data_dirs:
-            build_feature_cache(target, data_dir, cache_dir, progress=progress)
+            build_feature_cache(target, data_dir, cache_dir, batch_size=cfg.feature_batch, progress=progress)
     data = SequenceData(cfg.data_dirs, cache_dir, cfg.window, cfg.holdout_fraction, cfg.seed)
     place = lambda tree: tree
     if mesh is not None:
@@ -341,25 +363,44 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     if start == 0:
         history.append(dict(step=0, **evaluate(state["params"])))
         log(f"untrained: {history[-1]}")
-    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.kind}", disable=not progress)
-    for step in range(start, cfg.steps):
+
+    def host_batch(step):
         rng = np.random.default_rng([cfg.seed, step])
-        idx = rng.choice(data.train, size=cfg.batch_size, replace=len(data.train) < cfg.batch_size)
-        state, metrics = train_step(state, place(data.batch(idx)), jax.random.fold_in(jax.random.key(cfg.seed), step))
-        losses_seen.append(float(metrics["loss"]))
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            mngr.save(step + 1, args=ocp.args.StandardSave(state), force=step + 1 == cfg.steps)
-        if (step + 1) % 10 == 0:
-            bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", acc1=f"{float(metrics['acc_1']):.3f}")
-        if (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            ev = evaluate(state["params"])
-            history.append(dict(step=step + 1, **ev))
-            log(f"step {step + 1}: {ev}")
-        bar.update(1)
+        return data.batch(rng.choice(data.train, size=cfg.batch_size, replace=len(data.train) < cfg.batch_size))
+
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.kind}", disable=not progress)
+    train_t0, last = time.time(), start
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the next batch is gathered while this step runs
+        pending = pool.submit(host_batch, start)
+        for step in range(start, cfg.steps):
+            batch = pending.result()
+            if step + 1 < cfg.steps:
+                pending = pool.submit(host_batch, step + 1)
+            lr = np.float32(learning_rate(cfg, step, time.time() - train_t0))
+            state, metrics = train_step(state, place(batch), jax.random.fold_in(jax.random.key(cfg.seed), step), lr)
+            loss_now = float(metrics["loss"])
+            losses_seen.append(loss_now)
+            last = step + 1
+            out_of_time = cfg.max_seconds and time.time() - train_t0 > cfg.max_seconds
+            if last % cfg.save_every == 0 or last == cfg.steps or out_of_time:
+                mngr.save(last, args=ocp.args.StandardSave(state), force=last == cfg.steps or bool(out_of_time))
+            if (step + 1) % 10 == 0:
+                bar.set_postfix(loss=f"{loss_now:.3f}", acc1=f"{float(metrics['acc_1']):.3f}")
+            if (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps and not out_of_time:
+                ev = evaluate(state["params"])
+                history.append(dict(step=step + 1, **ev))
+                log(f"step {step + 1}: {ev}")
+            bar.update(1)
+            if out_of_time:
+                log(f"max_seconds {cfg.max_seconds} reached at step {last} of {cfg.steps}")
+                break
     bar.close()
     mngr.wait_until_finished()
     k = max(1, min(10, len(losses_seen) // 2))
-    final = dict(step=cfg.steps, **evaluate(state["params"]), wall_seconds_this_run=round(time.time() - t0, 1),
+    steps_per_s = (last - start) / max(time.time() - train_t0, 1e-9)
+    tokens_per_s = steps_per_s * cfg.batch_size * cfg.window
+    final = dict(step=last, steps_per_s=round(steps_per_s, 3), window_tokens_per_s=round(tokens_per_s, 1),
+                 **evaluate(state["params"]), wall_seconds_this_run=round(time.time() - t0, 1),
                  loss_first=round(float(np.mean(losses_seen[:k])), 4) if losses_seen else None,
                  loss_last=round(float(np.mean(losses_seen[-k:])), 4) if losses_seen else None)
     half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state["params"])

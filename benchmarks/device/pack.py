@@ -1,0 +1,516 @@
+"""The accelerator run pack: one time-boxed command that turns a lent GPU's minutes into results.
+
+Parts, most valuable first (each runs alone, in its own process, under its own deadline):
+  smoke   the engine on the device with a tiny random target: ar / hsd / eagle compile and agree;
+  train   self-distilled data from the target (batched jitted generation on training prompts), then
+          HSD and EAGLE-style drafters trained by `hsd_jax.train.trainer.train` (the `hsd train`
+          code path) at GPU scale; returns the bf16 drafters with held-out diagnostics;
+  bench   `hsd bench` on MT-bench, batch 1 and batch 8, every method side by side against ar;
+  tune    the target's verify-cost curve (N = 1..64) and `hsd tune` on a GPU-sized tree grid;
+  kernel  the Pallas tree-attention kernel against the jnp reference: errors (f32, bf16) and time
+          against plain XLA attention for N = 1..64 new tokens, cache lengths 512..4096.
+
+Everything returned lies directly under --out (at most 8 files): summary.md, results.json,
+log.txt, bench.png, tuned.json, drafter_hsd.tar, drafter_eagle.tar. `--dry-run` runs every part
+on the CPU with tiny sizes (the test suite does, so the pack cannot rot between leases).
+
+    bash benchmarks/device/run.sh --parts train,bench,tune --out $OUT --model /tmp/hsd_stage/model.gguf \
+        --prompts /tmp/hsd_stage/train_prompts.jsonl.gz --budget-s 470
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+PARTS = ("smoke", "train", "bench", "tune", "kernel")
+# share of the time budget per part (of the parts asked for; renormalised)
+SHARE = {"smoke": 0.15, "train": 0.47, "bench": 0.33, "tune": 0.12, "kernel": 0.2}
+MARGIN_S = 12  # a part stops starting new work this long before its hard limit
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Everything that scales between the GPU run and the CPU dry run."""
+
+    gen_batch: int = 512
+    gen_new_tokens: int = 256
+    gen_prompt_tokens: int = 256
+    gen_bucket: int = 256
+    gen_share: float = 0.40          # of the train part's time
+    min_prompts: int = 0             # prompts to answer at least (0: as many as the time allows)
+    max_prompts: int = 0             # prompts to answer at most (0: all staged)
+    train_batch: int = 32
+    train_window: int = 512
+    train_unroll: int = 5
+    train_ce_positions: int = 256
+    train_steps: int = 6000          # schedule length; max_seconds usually ends the run first
+    train_vocab: int = 16384
+    train_lr: float = 6e-4
+    feature_batch: int = 64
+    bench_prompts: int = 80
+    bench_new_tokens: int = 128
+    bench_bucket: int = 512          # MT-bench chat prompts reach 402 tokens: one compile per method
+    bench_tree: tuple = (24, 6, 4)   # nodes, depth, top-k
+    bench_batch8_methods: str = "ar,sd,eagle,hsd-noreuse,hsd-refresh,hsd-chain,ngram"
+    bench_batch1_methods: str = "ar,sd,eagle,hsd-noreuse,hsd-refresh,hsd-chain,ngram"
+    identity_prompts: int = 16
+    tune_sizes: tuple = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    tune_grid: tuple = ((8, 4, 3), (16, 5, 4), (24, 6, 4), (32, 6, 8), (48, 6, 8), (64, 6, 8))
+    tune_prompts: int = 8
+    tune_new_tokens: int = 64
+    kernel_n: tuple = (1, 2, 4, 8, 16, 32, 64)
+    kernel_seq: tuple = (512, 1024, 2048, 4096)
+    kernel_heads: tuple = (9, 3, 64)  # SmolLM2-135M: query heads, KV heads, head dim
+    kernel_repeats: int = 20
+    max_cache_len: int = 1024
+
+
+DRY = Sizes(gen_batch=4, gen_new_tokens=8, gen_prompt_tokens=96, gen_bucket=32, gen_share=0.5, min_prompts=8, max_prompts=24,
+            train_batch=2, train_window=48, train_unroll=2, train_ce_positions=8, train_steps=3, train_vocab=256,
+            feature_batch=2, bench_prompts=2, bench_new_tokens=6, bench_bucket=32, bench_tree=(3, 2, 2),
+            bench_batch8_methods="ar,hsd-refresh,ngram", bench_batch1_methods="ar,eagle,hsd-chain",
+            identity_prompts=2, tune_sizes=(1, 2), tune_grid=((2, 2, 1),), tune_prompts=2, tune_new_tokens=4,
+            kernel_n=(1, 4), kernel_seq=(256,), kernel_repeats=2, max_cache_len=256)
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def load_target(args, dtype=None, max_cache_len=None, tokenizer=True):
+    from hsd_jax import load_target as load
+
+    return load(args.model, dtype=dtype, max_cache_len=max_cache_len or args.sizes.max_cache_len,
+                attention_impl=args.attention_impl, tokenizer=tokenizer)
+
+
+def training_prompts(args) -> list[str]:
+    """The staged training prompts (GSM8K-train questions, ShareGPT first user turns), or in a
+    dry run the shipped GSM8K-train sample. Never an evaluation suite."""
+    if args.prompts:
+        opener = gzip.open if args.prompts.endswith(".gz") else open
+        with opener(args.prompts, "rt", encoding="utf-8") as f:
+            return [json.loads(line)["prompt"] for line in f if line.strip()]
+    from hsd_jax.train.data import gsm8k_questions
+
+    return gsm8k_questions()
+
+
+# ---------------------------------------------------------------------------------------- parts
+
+
+def part_smoke(args, deadline: float) -> dict:
+    """Tiny random target on the device: every method compiles and matches ar at T=0 (f32)."""
+    import jax
+
+    from hsd_jax import generate, load_drafter
+    from hsd_jax.api import Target
+    from hsd_jax.config import ModelConfig
+    from hsd_jax.models import llama
+
+    out = {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "backend": jax.default_backend()}
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    for dtype, kinds in (("float32", ("hsd", "eagle")), ("bfloat16", ("hsd", "eagle"))):
+        cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, dtype=dtype, attention_impl=args.attention_impl)
+        target = Target(llama.init_params(cfg, jax.random.key(0), init_std=0.3), cfg, None, 256, "tiny")
+        ar = generate(target, prompts, max_new_tokens=24)
+        rows = out[dtype] = {"ar": {"compile_s": round(ar[0].stats["compile_seconds"], 2)}}
+        for kind in kinds:
+            d = load_drafter(kind, target=target, random_init=True)
+            res = generate(target, prompts, max_new_tokens=24, method=kind, drafter=d, tree_nodes=6, tree_depth=3,
+                           tree_top_k=2)
+            rows[kind] = {"identical_to_ar": [r.token_ids for r in res] == [r.token_ids for r in ar],
+                          "compile_s": round(res[0].stats["compile_seconds"], 2)}
+            write_json(args.work / "smoke.partial.json", out)
+        log(f"smoke {dtype}: {rows}")
+    return out
+
+
+def part_train(args, deadline: float) -> dict:
+    """Self-distilled data, then HSD and EAGLE-style drafters by the `hsd train` code path."""
+    import numpy as np
+
+    from hsd_jax.train.data import generate_data, load_shards
+    from hsd_jax.train.trainer import TrainConfig, train
+
+    s, work = args.sizes, args.work
+    t0 = time.time()
+    total = deadline - t0
+    target = load_target(args)
+    data_dir = work / "data"
+    prompts = training_prompts(args)
+    rng = np.random.default_rng(0)
+    rng.shuffle(prompts)
+    enc = [ids for ids in (target.encode(p, chat=True) for p in prompts) if len(ids) <= s.gen_prompt_tokens]
+    enc = enc[: s.max_prompts or None]
+    log(f"train: {len(enc)} training prompts of <= {s.gen_prompt_tokens} tokens; loaded in {time.time() - t0:.1f} s")
+    gen_deadline = t0 + s.gen_share * total
+    gen_t0 = time.time()
+    written = 0
+    first = enc[: max(s.min_prompts, s.gen_batch)]
+    written += generate_data(target, first, str(data_dir), batch_size=s.gen_batch, max_new_tokens=s.gen_new_tokens,
+                             max_prompt_tokens=s.gen_prompt_tokens, prompt_bucket=s.gen_bucket, progress=False)
+    first_s = time.time() - gen_t0
+    log(f"train: first shard {first_s:.1f} s (compile included)")
+    rest = enc[len(first):]
+    if rest:  # shards continue the numbering of the first call's
+        written += generate_data(target, enc, str(data_dir), batch_size=s.gen_batch,
+                                 max_new_tokens=s.gen_new_tokens, max_prompt_tokens=s.gen_prompt_tokens,
+                                 prompt_bucket=s.gen_bucket, deadline=gen_deadline, progress=False)
+    gen_s = time.time() - gen_t0
+    seqs, plens = load_shards(str(data_dir))
+    response = int(sum(len(q) - p for q, p in zip(seqs, plens)))
+    data = {"sequences": len(seqs), "response_tokens": response, "all_tokens": int(sum(len(q) for q in seqs)),
+            "seconds": round(gen_s, 1), "response_tokens_per_s": round(response / max(gen_s, 1e-9), 1),
+            "batch": s.gen_batch, "max_new_tokens": s.gen_new_tokens, "prompts_available": len(enc),
+            "sources": "GSM8K train questions (MIT); ShareGPT V3 first user turns (answers written by the target)"}
+    log(f"train data: {data}")
+    out = {"data": data, "runs": {}}
+    kinds = ("hsd", "eagle")
+    for i, kind in enumerate(kinds):
+        left = deadline - time.time() - MARGIN_S
+        budget = left / (len(kinds) - i) - 25  # feature cache, evaluation and export come on top
+        if budget < 5:
+            out["runs"][kind] = {"skipped": f"{left:.0f} s left"}
+            continue
+        cfg = TrainConfig(kind=kind, model=args.model, data_dir=str(data_dir), out_dir=str(work / f"run_{kind}"),
+                          feature_cache=str(work / "features"), steps=s.train_steps, batch_size=s.train_batch,
+                          window=s.train_window, unroll=s.train_unroll, ce_positions=s.train_ce_positions,
+                          learning_rate=s.train_lr, warmup_steps=min(100, s.train_steps), ce_weight=1.0,
+                          draft_vocab_size=s.train_vocab, save_every=10**6, eval_every=10**6,
+                          feature_batch=s.feature_batch, max_seconds=round(budget, 1))
+        t = time.time()
+        final = train(cfg, target=target, progress=False, log=log)
+        drafter_dir = work / f"run_{kind}" / "drafter"
+        _write_card(drafter_dir, kind, cfg, final, data, args)
+        tar = args.out / f"drafter_{kind}.tar"
+        with tarfile.open(tar, "w") as tf:
+            tf.add(drafter_dir, arcname=kind)
+        out["runs"][kind] = dict(final, seconds=round(time.time() - t, 1), config=dataclasses.asdict(cfg),
+                                 tar_bytes=tar.stat().st_size)
+        log(f"train {kind}: {out['runs'][kind]}")
+    return out
+
+
+def _write_card(path: Path, kind: str, cfg, final: dict, data: dict, args) -> None:
+    import jax
+
+    dev = jax.devices()[0]
+    lines = [f"# {kind} drafter for SmolLM2-135M-Instruct, trained on {getattr(dev, 'device_kind', dev)}", "",
+             "Made by the accelerator run pack (`bash benchmarks/device/run.sh --parts train`), the same code path "
+             "as `hsd train`.", "",
+             f"- Data: {data['response_tokens']:,} self-distilled response tokens in {data['sequences']:,} sequences "
+             f"({data['sources']}); no evaluation prompts.",
+             f"- Training: {final['step']} steps of {cfg.batch_size} windows x {cfg.window} tokens, unroll "
+             f"{cfg.unroll}, {cfg.ce_positions} CE positions per row, CE weight {cfg.ce_weight}, peak lr "
+             f"{cfg.learning_rate}, draft vocabulary {cfg.draft_vocab_size}, {final.get('wall_seconds_this_run')} s.",
+             f"- Held-out top-1 acceptance by depth along the target's greedy path: {final['accept_by_depth']}; "
+             f"chain tau estimate {final['chain_tau_estimate']}.",
+             "", "```json", json.dumps(final, indent=1), "```", ""]
+    (path / "MODEL_CARD.md").write_text("\n".join(lines))
+
+
+def _drafters(args, target) -> dict:
+    """The drafters to benchmark: the ones trained by this run's `train` part where present, else shipped."""
+    from hsd_jax import load_drafter
+
+    out = {}
+    for kind in ("hsd", "eagle", "sd", "ngram"):
+        trained = args.work / f"run_{kind}" / "drafter"
+        path = str(trained) if (trained / "drafter.json").is_file() else None
+        out[kind] = (load_drafter(kind, path, target=target), path or "shipped")
+    return out
+
+
+def part_bench(args, deadline: float) -> dict:
+    """MT-bench side by side, batch 8 then batch 1 (time-boxed: each covers the prompts it reached)."""
+    from hsd_jax.bench import format_table, machine_info, make_runner, method_spec, plot, run_bench
+    from hsd_jax.prompts import load_suite
+
+    s = args.sizes
+    target = load_target(args)
+    drafters = _drafters(args, target)
+    ids = [target.encode(p, chat=True) for p in load_suite("mt_bench", s.bench_prompts)]
+    nodes, depth, top_k = s.bench_tree
+    tree = dict(tree_nodes=nodes, tree_depth=depth, tree_top_k=top_k)
+    out = {"tree": tree, "drafters": {k: v[1] for k, v in drafters.items()}, "machine": machine_info(),
+           "dtype": target.config.dtype}
+    t0 = time.time()
+    plans = [(8, s.bench_batch8_methods, 0.4), (1, s.bench_batch1_methods, 1.0)]
+    for batch, methods, share in plans:
+        runners = {}
+        for name in methods.split(","):
+            kind = method_spec(name)[0]
+            runners[name] = make_runner(target, name, None if kind == "ar" else drafters[kind][0], tree=tree,
+                                        max_new_tokens=s.bench_new_tokens, prompt_bucket=s.bench_bucket)
+        stop = t0 + share * (deadline - t0) - MARGIN_S
+        res = run_bench(runners, ids, batch_size=batch, progress=False, deadline=stop)
+        result = {"suite": "mt_bench", "num_prompts": res["ar"]["prompts"], "batch_size": batch, "temperature": 0.0,
+                  "max_new_tokens": s.bench_new_tokens, "tree": tree, "machine": out["machine"], "methods": res}
+        out[f"batch{batch}"] = result
+        log(f"bench batch {batch} ({res['ar']['prompts']} prompts):\n" + format_table(res))
+        if batch == 1:
+            plot(result, str(args.out / "bench.png"))
+        write_json(args.work / "bench.partial.json", out)
+    if not all(m["identical_to_ar"] for r in (out.get("batch1"), out.get("batch8")) if r
+               for m in r["methods"].values()) and time.time() < deadline - 3 * MARGIN_S:
+        out["identity_f32"] = _identity_f32(args, ids[: s.identity_prompts], tree)
+    return out
+
+
+def _identity_f32(args, ids, tree) -> dict:
+    """bf16 broke token identity somewhere: rerun the identity check in float32 (batch 8)."""
+    from hsd_jax import generate
+    from hsd_jax.bench import method_spec
+
+    target = load_target(args, dtype="float32")
+    drafters = _drafters(args, target)
+    s = args.sizes
+    ar = [r.token_ids for r in generate(target, ids, max_new_tokens=s.bench_new_tokens)]
+    out = {"prompts": len(ids)}
+    for name in ("sd", "eagle", "hsd-noreuse", "hsd-refresh", "hsd-chain", "ngram"):
+        kind, opts = method_spec(name)
+        opts = dict(opts, **({"gamma": 4} if kind == "sd" else tree))
+        res = generate(target, ids, max_new_tokens=s.bench_new_tokens, method=kind, drafter=drafters[kind][0], **opts)
+        out[name] = [r.token_ids for r in res] == ar
+    log(f"identity in float32: {out}")
+    return out
+
+
+def part_tune(args, deadline: float) -> dict:
+    """Verify-cost curve, then `hsd tune` on a GPU-sized grid with the best HSD drafter at hand."""
+    from hsd_jax import tune as tune_mod
+    from hsd_jax.train.data import gsm8k_questions
+
+    s = args.sizes
+    target = load_target(args)
+    curve = tune_mod.verify_cost_curve(target, sizes=s.tune_sizes, repeats=10)
+    out = {"verify_cost_ms": curve, "ratio_to_n1": {n: round(ms / curve[s.tune_sizes[0]], 3) for n, ms in curve.items()}}
+    log(f"verify cost: {curve}")
+    write_json(args.work / "tune.partial.json", out)
+    drafter, path = _drafters(args, target)["hsd"]
+    out["drafter"] = path
+    by_len: dict[int, list] = {}
+    for q in gsm8k_questions():
+        ids = target.encode(q, chat=True)
+        by_len.setdefault(-(-len(ids) // 64), []).append(ids)
+    prompts = max(by_len.values(), key=len)[: s.tune_prompts]
+    grid = [dict(tree_nodes=n, tree_depth=d, tree_top_k=k) for n, d, k in s.tune_grid]
+    report = tune_mod.tune(target, drafter, prompts, grid=grid, max_new_tokens=s.tune_new_tokens, finalists=2,
+                           curve=curve, tuned_dir=str(args.work / "tuned"), log=log)
+    report["drafter"] = path
+    write_json(args.out / "tuned.json", report)
+    out["tuned"] = {k: report[k] for k in ("hardware", "tree", "reuse", "expected_speedup", "expected_tokens_per_s",
+                                           "ar_tokens_per_s", "acceptance_by_depth") if k in report}
+    return out
+
+
+def part_kernel(args, deadline: float) -> dict:
+    """Pallas tree attention vs the jnp reference (XLA): errors in f32 and bf16, time in bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tree_attention import make_case, time_ms
+
+    from pallas_kernels.tree_attention import tree_attention_pallas, tree_attention_reference
+
+    s = args.sizes
+    hq, hkv, dh = s.kernel_heads
+    kernel = jax.jit(tree_attention_pallas)
+    reference = jax.jit(tree_attention_reference)
+    out = {"heads": {"q": hq, "kv": hkv, "dim": dh}, "errors": [], "timing": []}
+    with jax.default_matmul_precision("highest"):
+        for dtype in ("float32", "bfloat16"):
+            for n in sorted({s.kernel_n[-1], s.kernel_n[len(s.kernel_n) // 2]}):
+                args_ = make_case(2, n, s.kernel_seq[0], hq, hkv, dh, jnp.dtype(dtype))
+                try:
+                    diff = float(jnp.max(jnp.abs(kernel(*args_).astype(jnp.float32)
+                                                 - reference(*args_).astype(jnp.float32))))
+                    out["errors"].append({"dtype": dtype, "n": n, "seq": s.kernel_seq[0], "max_abs_diff": diff})
+                except Exception as e:  # noqa: BLE001  one failing case is a result, not a crash
+                    out["errors"].append({"dtype": dtype, "n": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                log(f"kernel error: {out['errors'][-1]}")
+    first = (s.kernel_n[-1], s.kernel_n[0])  # the widest and the 1-token case first: a cut run keeps both ends
+    order = [(n, seq) for n in first for seq in s.kernel_seq]
+    order += [(n, seq) for n in s.kernel_n if n not in first for seq in s.kernel_seq]
+    for n, seq in order:
+        if time.time() > deadline - MARGIN_S:
+            out["cut_by_deadline"] = True
+            break
+        args_ = make_case(1, n, seq, hq, hkv, dh, jnp.bfloat16)
+        row = {"n": n, "seq": seq, "xla_ms": round(time_ms(reference, args_, s.kernel_repeats), 4)}
+        try:
+            row["pallas_ms"] = round(time_ms(kernel, args_, s.kernel_repeats), 4)
+            row["xla_over_pallas"] = round(row["xla_ms"] / row["pallas_ms"], 3)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out["timing"].append(row)
+        write_json(args.work / "kernel.partial.json", out)
+        log(f"kernel timing: {row}")
+    out["timing"].sort(key=lambda r: (r["seq"], r["n"]))
+    return out
+
+
+PART_FUNCS = {"smoke": part_smoke, "train": part_train, "bench": part_bench, "tune": part_tune, "kernel": part_kernel}
+
+
+# ---------------------------------------------------------------------------------------- driver
+
+
+def summary(results: dict, args) -> str:
+    """A short markdown summary of whatever parts produced."""
+    lines = [f"# Accelerator run pack ({'dry run' if args.dry_run else 'device run'})", "",
+             f"Command: `bash benchmarks/device/run.sh {' '.join(args.argv)}`", ""]
+    for name, r in results.items():
+        status = r.get("status")
+        lines.append(f"## {name}: {status}, {r.get('seconds')} s")
+        res = r.get("result") or {}
+        if name == "train" and res:
+            lines.append(f"- data: {res['data']}")
+            for kind, run in res.get("runs", {}).items():
+                keys = ("step", "accept_by_depth", "bypass_accept_by_depth", "feature_error_vs_copy",
+                        "chain_tau_estimate", "steps_per_s", "window_tokens_per_s", "skipped")
+                lines.append(f"- {kind}: " + ", ".join(f"{k} {run[k]}" for k in keys if k in run))
+        if name == "bench":
+            from hsd_jax.bench import format_table
+
+            for key in ("batch8", "batch1"):
+                if key in res:
+                    lines += ["", f"MT-bench, batch {res[key]['batch_size']}, {res[key]['num_prompts']} prompts, "
+                                  f"tree {res['tree']}, drafters {res['drafters']}:", "",
+                              format_table(res[key]["methods"])]
+            if "identity_f32" in res:
+                lines.append(f"- identity in float32: {res['identity_f32']}")
+        if name == "tune" and res:
+            lines.append(f"- verify cost ms by N: {res.get('verify_cost_ms')}")
+            lines.append(f"- tuned: {res.get('tuned')}")
+        if name == "kernel" and res:
+            lines.append(f"- errors: {res.get('errors')}")
+            for row in res.get("timing", []):
+                lines.append(f"- N={row['n']} S={row['seq']}: xla {row['xla_ms']} ms, pallas "
+                             f"{row.get('pallas_ms', row.get('error'))} ms")
+        if name == "smoke" and res:
+            lines.append(f"- {res}")
+        if r.get("error"):
+            lines.append(f"- error: {r['error']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_part(args) -> int:
+    """Child process: run one part and write its JSON."""
+    deadline = float(args.deadline)
+    t0 = time.time()
+    try:
+        result = PART_FUNCS[args.run_part](args, deadline)
+        rec = {"status": "ok", "result": result}
+    except Exception as e:  # noqa: BLE001  the driver records it and moves on to the next part
+        import traceback
+
+        traceback.print_exc()
+        rec = {"status": "failed", "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    rec["seconds"] = round(time.time() - t0, 1)
+    write_json(args.work / f"part_{args.run_part}.json", rec)
+    return 0 if rec["status"] == "ok" else 1
+
+
+def drive(args) -> int:
+    """Parent: run each asked part in its own process under its share of the budget."""
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        print(f"error: --parts must list some of {', '.join(PARTS)}, got {args.parts!r}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    end = time.time() + args.budget_s
+    log_path = args.out / "log.txt"
+    results = {}
+    for i, part in enumerate(parts):
+        left = end - time.time()
+        share = SHARE[part] / sum(SHARE[p] for p in parts[i:])
+        limit = max(20.0, left * share)
+        cmd = [sys.executable, __file__, "--run-part", part, "--deadline", str(time.time() + limit)] + args.argv
+        log(f"part {part}: {limit:.0f} s of {left:.0f} s left")
+        t0 = time.time()
+        with open(log_path, "a") as logf:
+            logf.write(f"\n===== part {part} ({limit:.0f} s) =====\n")
+            logf.flush()
+            try:
+                proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=limit + 10)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        rec_path = args.work / f"part_{part}.json"
+        rec = json.loads(rec_path.read_text()) if rec_path.is_file() else {"status": f"no result (exit {rc})"}
+        partial = args.work / f"{part}.partial.json"
+        if rec.get("status") != "ok" and partial.is_file():
+            rec["result"] = json.loads(partial.read_text())
+        rec.setdefault("seconds", round(time.time() - t0, 1))
+        results[part] = rec
+        log(f"part {part}: {rec['status']} in {rec['seconds']} s")
+        write_json(args.out / "results.json", {"argv": args.argv, "parts": results})
+        (args.out / "summary.md").write_text(summary(results, args))
+    sys.stdout.write((args.out / "summary.md").read_text())
+    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="train,bench,tune,kernel", help=f"comma list of {','.join(PARTS)}")
+    p.add_argument("--out", default=os.environ.get("OUT") or "runs/device_pack", help="folder for the results")
+    p.add_argument("--work", default=None, help="scratch folder (data, features, runs); default /tmp/hsd_pack")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m or the staged .gguf file")
+    p.add_argument("--prompts", default=None, help="training prompts (.jsonl[.gz] of {'prompt': ...}), staged")
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "reference"])
+    p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock seconds for all parts together")
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: checks every part end to end")
+    p.add_argument("--run-part", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deadline", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    raw = list(argv if argv is not None else sys.argv[1:])
+    args.argv = [a for i, a in enumerate(raw) if a not in ("--run-part", "--deadline")
+                 and (i == 0 or raw[i - 1] not in ("--run-part", "--deadline"))]
+    args.out = Path(args.out).resolve()
+    args.work = Path(args.work or ("/tmp/hsd_pack_dry" if args.dry_run else "/tmp/hsd_pack")).resolve()
+    args.sizes = DRY if args.dry_run else Sizes()
+    if args.budget_s <= 0:
+        p.error("--budget-s must be > 0")
+    if args.prompts and not os.path.isfile(args.prompts):
+        p.error(f"--prompts file not found: {args.prompts}")
+    if args.model != "smollm2-135m" and not os.path.exists(args.model):
+        p.error(f"--model not found: {args.model}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.dry_run:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.run_part:
+        return run_part(args)
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

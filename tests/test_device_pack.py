@@ -1,0 +1,114 @@
+"""The accelerator run pack (benchmarks/device): its dry run on the CPU, every part end to end,
+so the script cannot rot between GPU leases; and the staging of the model over several calls."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "benchmarks" / "device" / "run.sh"
+
+
+def _stage_module():
+    spec = importlib.util.spec_from_file_location("device_stage", ROOT / "benchmarks" / "device" / "stage.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pack_out")
+    work = tmp_path_factory.mktemp("pack_work")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(["bash", str(RUN), "--dry-run", "--parts", "smoke,train,bench,tune,kernel", "--out",
+                           str(out), "--work", str(work), "--budget-s", "1500"],
+                          capture_output=True, text=True, env=env, timeout=1700)
+    return proc, out, work
+
+
+def test_dry_run_every_part_succeeds_and_returns_at_most_eight_flat_files(dry_run):
+    proc, out, _ = dry_run
+    log = (out / "log.txt").read_text() if (out / "log.txt").exists() else proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert all((out / f).is_file() for f in files), files          # nothing nested: the device returns files
+    assert len(files) <= 8, files
+    assert {"summary.md", "results.json", "log.txt", "bench.png", "tuned.json", "drafter_hsd.tar",
+            "drafter_eagle.tar"} <= set(files)
+    parts = json.loads((out / "results.json").read_text())["parts"]
+    assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(
+        ("smoke", "train", "bench", "tune", "kernel"), "ok")
+
+
+def test_dry_run_results_are_real_measurements(dry_run):
+    _, out, _ = dry_run
+    parts = {k: v["result"] for k, v in json.loads((out / "results.json").read_text())["parts"].items()}
+    smoke = parts["smoke"]
+    assert all(row["identical_to_ar"] for dt in ("float32", "bfloat16") for k, row in smoke[dt].items() if k != "ar")
+    train = parts["train"]
+    assert train["data"]["response_tokens"] > 0 and train["data"]["sequences"] >= 8
+    for kind in ("hsd", "eagle"):
+        run = train["runs"][kind]
+        assert run["step"] >= 1 and len(run["accept_by_depth"]) == 2 and run["steps_per_s"] > 0
+    for key in ("batch8", "batch1"):
+        methods = parts["bench"][key]["methods"]
+        assert "ar" in methods and len(methods) >= 3
+        assert all(m["identical_to_ar"] for m in methods.values())      # float32 on the CPU: exact
+        assert all(m["prefix_match"]["min"] == 1.0 for m in methods.values())
+    assert parts["bench"]["drafters"]["hsd"].endswith("run_hsd/drafter")  # the drafters trained by this run
+    tuned = json.loads((out / "tuned.json").read_text())
+    assert set(tuned["tree"]) == {"tree_nodes", "tree_depth", "tree_top_k"} and tuned["verify_cost_ms"]
+    errors = {e["dtype"]: e["max_abs_diff"] for e in parts["kernel"]["errors"]}
+    assert errors["float32"] < 1e-5 and errors["bfloat16"] < 5e-2
+    assert all("pallas_ms" in row and row["xla_ms"] > 0 for row in parts["kernel"]["timing"])
+
+
+def test_dry_run_drafters_load_from_the_returned_tar(dry_run, tmp_path):
+    _, out, _ = dry_run
+    with tarfile.open(out / "drafter_hsd.tar") as tf:
+        tf.extractall(tmp_path, filter="data")
+    card = (tmp_path / "hsd" / "MODEL_CARD.md").read_text()
+    assert "Held-out top-1 acceptance" in card and "no evaluation prompts" in card
+    meta = json.loads((tmp_path / "hsd" / "drafter.json").read_text())
+    assert meta["kind"] == "hsd" and meta["config"]["draft_vocab_size"] == 256
+
+
+def test_bad_parts_is_one_clear_error(tmp_path):
+    proc = subprocess.run(["bash", str(RUN), "--dry-run", "--parts", "train,warp", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--parts must list some of smoke, train, bench, tune, kernel" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_staged_parts_are_joined_and_checked(tmp_path, monkeypatch):
+    stage = _stage_module()
+    blob = os.urandom(10_000)
+    local, remote = tmp_path / "stage", tmp_path / "remote"
+    local.mkdir()
+    monkeypatch.setattr(stage, "STAGE", str(local))
+    monkeypatch.setattr(stage, "REMOTE", str(remote))
+    (tmp_path / "m.gguf").write_bytes(blob)
+    manifest = {"file": "m.gguf", "bytes": len(blob), "sha256": stage.sha256(str(tmp_path / "m.gguf")), "parts": 3}
+    (local / "manifest.json").write_text(json.dumps(manifest))
+    cuts = [blob[:4000], blob[4000:8000], blob[8000:]]
+    for i, cut in enumerate(cuts):  # one part arrives per call; earlier ones were removed from the tree
+        for old in local.glob("gguf.part*"):
+            old.unlink()
+        (local / f"gguf.part{i + 1}").write_bytes(cut)
+        stage.collect(None)
+        assert (remote / "model.gguf").exists() == (i == 2)
+    assert (remote / "model.gguf").read_bytes() == blob
+
+    (remote / "model.gguf").unlink()
+    (remote / "gguf.part2").write_bytes(b"x" * 4000)   # a corrupted part is refused, not used
+    (local / "gguf.part3").unlink()
+    with pytest.raises(SystemExit, match="SHA-256"):
+        stage.collect(None)
+    assert not (remote / "model.gguf").exists()
