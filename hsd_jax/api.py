@@ -217,8 +217,12 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         except TypeError as e:
             raise ModelLoadError(f"{meta}: {e}") from None
         d2t = np.load(d2t_path, allow_pickle=False) if os.path.isfile(d2t_path) else None
-        with ocp.StandardCheckpointer() as ckpt:
-            params = ckpt.restore(os.path.abspath(params_path))
+        with ocp.StandardCheckpointer() as ckpt:  # onto this process's first device, whatever topology saved it
+            dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            meta_tree = ckpt.metadata(os.path.abspath(params_path))
+            meta_tree = getattr(meta_tree, "item_metadata", meta_tree)
+            abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), meta_tree)
+            params = ckpt.restore(os.path.abspath(params_path), abstract)
         if kind == "ngram":
             d2t = None
         if kind == "sd":

@@ -31,6 +31,38 @@ def tiny_data(tmp_path_factory, tiny):
     return str(out)
 
 
+def test_chain_diagnostics_tell_a_copying_chain_from_a_working_one(tiny):
+    """A drafter whose layer adds nothing copies its anchor: its feature error equals the copy
+    baseline's and bypassing it changes no draft. A layer that moves the stream differs."""
+    import jax.numpy as jnp
+
+    from hsd_jax import load_drafter
+    from hsd_jax.models import drafter as dmod
+    from hsd_jax.train import losses
+    from hsd_jax.train.trainer import chain_report
+    from tests.helpers import zero_layers
+
+    d = load_drafter("hsd", target=tiny, random_init=True)
+    view = dmod.target_view(tiny.params, tiny.config, d.d2t)
+    t2d = jnp.arange(64, dtype=jnp.int32)
+    rng = np.random.default_rng(0)
+    b, w = 4, 24
+    batch = losses.Batch(jnp.asarray(rng.integers(0, 64, (b, w)), jnp.int32),
+                         jnp.asarray(rng.normal(size=(b, w, 32)) * 3, jnp.float32),
+                         jnp.asarray(np.arange(w)[None].repeat(b, 0) < w - 2), jnp.ones((b, w), bool))
+
+    def report(params):
+        sums = losses.chain_acceptance(params, d.config, view, t2d, batch, 3)
+        return chain_report({k: np.asarray(v, np.float64) for k, v in sums.items()})
+
+    copying = report(zero_layers(d.params))
+    assert copying["feature_error_vs_copy"] == pytest.approx([1.0] * 3, abs=1e-4)
+    assert copying["bypass_accept_by_depth"] == copying["accept_by_depth"]
+    working = report(d.params)
+    assert all(abs(r - 1.0) > 1e-3 for r in working["feature_error_vs_copy"])
+    assert working["heldout_chains"] == copying["heldout_chains"] > 0
+
+
 def _cfg(tmp_path, data_dir, **kw):
     base = dict(kind="hsd", data_dir=data_dir, out_dir=str(tmp_path / "run"), steps=400, batch_size=8, window=40,
                 unroll=2, ce_positions=8, learning_rate=1e-2, warmup_steps=10, draft_vocab_size=0,
@@ -48,6 +80,7 @@ def test_training_lowers_loss_and_raises_acceptance(tmp_path, tiny, tiny_data, k
     assert untrained["step"] == 0
     assert final["loss_last"] < 0.7 * final["loss_first"]
     assert final["accept_by_depth"][0] > untrained["accept_by_depth"][0] + 0.1
+    assert len(final["bypass_accept_by_depth"]) == len(final["feature_error_vs_copy"]) == 2
     assert final["chain_tau_estimate"] > untrained["chain_tau_estimate"] + 0.1
     from hsd_jax import generate, load_drafter
 

@@ -115,19 +115,33 @@ def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_p
 
 
 def chain_acceptance(params, dcfg, view, t2d, batch: Batch, steps: int):
-    """Held-out top-1 acceptance along the target's greedy path, by chain depth, and the
-    mean accepted length of depth-`steps` chains (tau estimate = 1 + that).
+    """Held-out chain diagnostics along the target's greedy path, by chain depth k = 1..steps
+    (HSD.md, "A chain that works"). Returns a dict of sums (the caller divides over batches):
 
-    Returns (correct counts [steps], totals [steps], accepted-length sum, chain count)."""
+    correct, total [steps]: top-1 acceptance of the depth-k draft;
+    bypass_correct [steps]: the same read-out applied to the last true feature f_{q-k+1} in place
+        of the chain state: what the read-out alone can do (a working chain loses many points);
+    feature_err, copy_err [steps]: RMS distance of the chain state from the true next feature,
+        and of the copy baseline (the last true feature) from it (ratio < 1: the chain beats copying);
+    accepted, chains: accepted length of depth-`steps` chains (tau estimate = 1 + accepted / chains).
+    """
     outs = unrolled_features(params, dcfg, view, batch, steps)
+    feats = batch.features.astype(jnp.float32)
+    f_next = jnp.concatenate([feats[:, 1:], feats[:, -1:]], 1)
     x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
     labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
     w = batch.tokens.shape[1]
-    correct, masks = [], []
+    correct, masks, sums = [], [], {k: [] for k in ("bypass_correct", "feature_err", "copy_err")}
+    top1 = lambda g: jnp.take(view.d2t, jnp.argmax(dmod.readout(params, dcfg, view, g, x_next), -1))
     for k, g in enumerate(outs, 1):
-        pred = jnp.take(view.d2t, jnp.argmax(dmod.readout(params, dcfg, view, g, x_next), -1))
-        correct.append(pred == labels)
-        masks.append(_step_mask(batch, k))
+        mask = _step_mask(batch, k)
+        last_true = jnp.roll(feats, k - 1, axis=1)  # f_{q-k+1}: the chain's anchor for depth k at q
+        correct.append(top1(g) == labels)
+        masks.append(mask)
+        sums["bypass_correct"].append(((top1(last_true) == labels) & mask).sum())
+        rms = lambda a: jnp.sqrt(jnp.mean(jnp.square(a), -1))
+        sums["feature_err"].append((rms(g - f_next) * mask).sum())
+        sums["copy_err"].append((rms(last_true - f_next) * mask).sum())
     # chain starting at s: depth k is read at position s + k - 1
     start_ok = batch.chain_ok & batch.valid & (jnp.arange(w) + steps - 1 < w)
     run = jnp.ones_like(start_ok)
@@ -136,9 +150,10 @@ def chain_acceptance(params, dcfg, view, t2d, batch: Batch, steps: int):
         ok = jnp.roll(correct[k] & masks[k], -k, axis=1)
         run = run & ok
         acc_len = acc_len + run
-    n_corr = jnp.stack([(c & mk).sum() for c, mk in zip(correct, masks)])
-    n_tot = jnp.stack([mk.sum() for mk in masks])
-    return n_corr, n_tot, (acc_len * start_ok).sum(), start_ok.sum()
+    out = {"correct": jnp.stack([(c & mk).sum() for c, mk in zip(correct, masks)]),
+           "total": jnp.stack([mk.sum() for mk in masks]),
+           "accepted": (acc_len * start_ok).sum(), "chains": start_ok.sum()}
+    return dict(out, **{k: jnp.stack(v) for k, v in sums.items()})
 
 
 def _draft_lm_logits(params, cfg, tokens):
@@ -173,8 +188,9 @@ def draft_lm_loss(params, frozen, cfg, batch: Batch, key, *, ce_positions: int):
 
 
 def draft_lm_acceptance(params, frozen, cfg, batch: Batch, steps: int):
-    """As `chain_acceptance` for a draft LM: along the target's greedy path the draft at depth k
-    is the LM's next-token prediction at the chain's (k-1)-th accepted position."""
+    """As `chain_acceptance` for a draft LM (acceptance sums only: it has no feature chain):
+    along the target's greedy path the draft at depth k is the LM's next-token prediction at the
+    chain's (k-1)-th accepted position."""
     from hsd_jax.models import llama
 
     full = dict(params, **frozen)
@@ -192,4 +208,5 @@ def draft_lm_acceptance(params, frozen, cfg, batch: Batch, steps: int):
         acc_len = acc_len + run
         n_corr.append((hit & start_ok).sum())
         n_tot.append(start_ok.sum())
-    return jnp.stack(n_corr), jnp.stack(n_tot), (acc_len * start_ok).sum(), start_ok.sum()
+    return {"correct": jnp.stack(n_corr), "total": jnp.stack(n_tot), "accepted": (acc_len * start_ok).sum(),
+            "chains": start_ok.sum()}

@@ -53,6 +53,7 @@ class TrainConfig:
     init_from: str = ""  # a drafter directory (`hsd train` output) to start from instead of random weights
     max_seconds: float = 0.0  # stop this run after so many seconds of training (0: no limit), then export
     feature_batch: int = 8  # sequences per target prefill when building the feature cache
+    eval_untrained: bool = True  # evaluate the starting weights too (time-boxed runs skip it)
     seed: int = 0
 
     def __post_init__(self):
@@ -143,6 +144,19 @@ class SequenceData:
             chain_ok[j] = q >= plen - 1 - start
             valid[j] = chain_ok[j] & (q + 2 < n)
         return losses.Batch(jnp.asarray(toks), jnp.asarray(feats), jnp.asarray(valid), jnp.asarray(chain_ok))
+
+
+def chain_report(sums: dict) -> dict:
+    """Held-out metrics from `losses.chain_acceptance` sums (or `draft_lm_acceptance`'s)."""
+    per = lambda key: [round(float(x), 4) for x in sums[key] / np.maximum(sums["total"], 1)]
+    out = {"accept_by_depth": per("correct"),
+           "chain_tau_estimate": round(1.0 + float(sums["accepted"]) / max(float(sums["chains"]), 1.0), 4),
+           "heldout_chains": int(sums["chains"])}
+    if "bypass_correct" in sums:
+        out["bypass_accept_by_depth"] = per("bypass_correct")
+        out["feature_error_vs_copy"] = [round(float(a / max(b, 1e-9)), 4)
+                                        for a, b in zip(sums["feature_err"], sums["copy_err"])]
+    return out
 
 
 def draft_vocab(seqs, prompt_lens, vocab_size: int, size: int) -> np.ndarray:
@@ -337,16 +351,15 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     eval_fn = jax.jit(task["accept"])
 
     def evaluate(params):
-        corr, tot, acc_sum, n = 0, 0, 0, 0
+        sums = None
         for i in range(0, len(data.holdout), cfg.batch_size):
             idx = data.holdout[i: i + cfg.batch_size]
             real = np.arange(cfg.batch_size) < len(idx)
             b = data.batch(np.resize(idx, cfg.batch_size))
             b = b._replace(valid=b.valid & real[:, None], chain_ok=b.chain_ok & real[:, None])
-            c, t, a, m = eval_fn(params, place(b))
-            corr, tot, acc_sum, n = corr + np.asarray(c), tot + np.asarray(t), acc_sum + int(a), n + int(m)
-        return {"accept_by_depth": [round(float(x), 4) for x in corr / np.maximum(tot, 1)],
-                "chain_tau_estimate": round(1.0 + acc_sum / max(n, 1), 4), "heldout_chains": n}
+            got = {k: np.asarray(v, np.float64) for k, v in eval_fn(params, place(b)).items()}
+            sums = got if sums is None else {k: sums[k] + got[k] for k in sums}
+        return chain_report(sums)
 
     ckpt_dir = os.path.abspath(os.path.join(cfg.out_dir, "checkpoints"))
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
@@ -360,7 +373,7 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
         with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
     history, losses_seen, t0 = [], [], time.time()
-    if start == 0:
+    if start == 0 and cfg.eval_untrained:
         history.append(dict(step=0, **evaluate(state["params"])))
         log(f"untrained: {history[-1]}")
 
