@@ -59,7 +59,8 @@ class Sizes:
     train_vocab: int = 16384
     train_lr: float = 6e-4
     train_overhead_s: float = 20.0   # per run: feature cache (first run), evaluation, export
-    eagle_step_cost: float = 3.7     # an eagle step's time over an hsd step's (H200, 2026-11-30)
+    eagle_step_cost: float = 1.0     # an eagle step's time over an hsd step's (equal on the CPU; the H200's
+                                     # first lease measured 3.7x only because the compile was counted)
     feature_batch: int = 64
     bench_prompts: int = 80
     bench_new_tokens: int = 128
@@ -83,7 +84,7 @@ class Sizes:
 DRY = Sizes(gen_batch=4, gen_new_tokens=8, gen_prompt_tokens=96, gen_bucket=32, gen_share=0.5, min_prompts=8, max_prompts=24,
             train_batch=2, train_window=48, train_unroll=2, train_ce_positions=8, train_steps=3, train_vocab=256,
             feature_batch=2, bench_prompts=2, bench_new_tokens=6, bench_bucket=32, bench_tree=(3, 2, 2),
-            bench_batch8_methods="ar,hsd-refresh,ngram", bench_batch1_methods="ar,eagle,hsd-chain",
+            bench_batch8_methods="ar,hsd-refresh", bench_batch1_methods="ar,eagle",
             identity_prompts=2, tune_sizes=(1, 2), tune_grid=((2, 2, 1),), tune_prompts=2, tune_finalists=1, tune_new_tokens=4, train_overhead_s=2.0,
             kernel_n=(1, 4), kernel_seq=(256,), kernel_repeats=2, max_cache_len=256)
 
@@ -195,7 +196,7 @@ def part_train(args, deadline: float) -> dict:
     if tar.stat().st_size > 15 * 2**20:
         tar.unlink()
     # equal budget = equal steps: hsd runs against the clock, eagle then takes the same steps, given
-    # the time its costlier steps need (s.eagle_step_cost x an hsd step)
+    # the time they need (s.eagle_step_cost x an hsd step)
     steps = s.train_steps
     for kind in ("hsd", "eagle"):
         left = deadline - time.time() - MARGIN_S - 2 * s.train_overhead_s

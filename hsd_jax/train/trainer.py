@@ -128,7 +128,7 @@ class SequenceData:
     def batch(self, idx) -> losses.Batch:
         """Right-aligned windows (the last `window` tokens hold the response) of rows idx."""
         w = self.window
-        d = 1 if self.rows[0][1] is None else self.rows[0][1].shape[-1]
+        d = next((self.rows[r][1].shape[-1] for r in idx if self.rows[r][1] is not None), 1)
         toks = np.zeros((len(idx), w), np.int32)
         feats = np.zeros((len(idx), w, d), np.float32)
         valid = np.zeros((len(idx), w), bool)
@@ -382,7 +382,8 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
         return data.batch(rng.choice(data.train, size=cfg.batch_size, replace=len(data.train) < cfg.batch_size))
 
     bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.kind}", disable=not progress)
-    train_t0, last = time.time(), start
+    train_t0 = rate_t0 = time.time()
+    last = start
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the next batch is gathered while this step runs
         pending = pool.submit(host_batch, start)
         for step in range(start, cfg.steps):
@@ -394,6 +395,8 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
             loss_now = float(metrics["loss"])
             losses_seen.append(loss_now)
             last = step + 1
+            if step == start:  # throughput is measured from the end of the first (compiling) step
+                rate_t0 = time.time()
             out_of_time = cfg.max_seconds and time.time() - train_t0 > cfg.max_seconds
             if last % cfg.save_every == 0 or last == cfg.steps or out_of_time:
                 mngr.save(last, args=ocp.args.StandardSave(state), force=last == cfg.steps or bool(out_of_time))
@@ -410,7 +413,7 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     bar.close()
     mngr.wait_until_finished()
     k = max(1, min(10, len(losses_seen) // 2))
-    steps_per_s = (last - start) / max(time.time() - train_t0, 1e-9)
+    steps_per_s = (last - start - 1) / max(time.time() - rate_t0, 1e-9) if last - start > 1 else 0.0
     tokens_per_s = steps_per_s * cfg.batch_size * cfg.window
     final = dict(step=last, steps_per_s=round(steps_per_s, 3), window_tokens_per_s=round(tokens_per_s, 1),
                  **evaluate(state["params"]), wall_seconds_this_run=round(time.time() - t0, 1),
