@@ -54,13 +54,9 @@ def test_batch_equals_one_by_one(tiny, drafters, method, opts):
         assert r.stats["drafter_forwards"] == alone.stats["drafter_forwards"]
 
 
-def test_oracle_drafters_reach_full_acceptance():
-    tgt = bigram_target()
+def _oracle_drafters(tgt):
+    """Drafters that always guess the bigram target's next token: (drafter, options) pairs."""
     d = tgt.config.hidden_size
-    depth, rounds = 4, 6
-    n_new = 1 + rounds * (depth + 1)
-    prompt = [[5, 17, 3]]
-    ref = generate(tgt, prompt, max_new_tokens=n_new)[0].token_ids
     hsd = load_drafter("hsd", target=tgt, random_init=True, injection="additive", feature_rms=1e4)
     hsd.params = dict(zero_layers(hsd.params), inject={"w": jnp.eye(d)})
     eagle = load_drafter("eagle", target=tgt, random_init=True, readout="plain")
@@ -72,7 +68,19 @@ def test_oracle_drafters_reach_full_acceptance():
     seqs = [np.array(p + r.token_ids) for p, r in zip(firsts, generate(tgt, firsts, max_new_tokens=4))]
     ncfg = NgramConfig(vocab_size=tgt.config.vocab_size, top_k=2)
     ngram = Drafter("ngram", bigram_table(seqs, [1] * len(seqs), ncfg), ncfg)
-    for dr, opts in [(hsd, dict(reuse="chain")), (hsd, dict(reuse="none")), (eagle, {}), (ngram, {})]:
+    return [(hsd, dict(reuse="chain")), (hsd, dict(reuse="none")), (hsd, dict(reuse="refresh")), (eagle, {}),
+            (ngram, {})]
+
+
+def test_oracle_drafters_reach_full_acceptance():
+    tgt = bigram_target()
+    depth, rounds = 4, 6
+    n_new = 1 + rounds * (depth + 1)
+    prompt = [[5, 17, 3]]
+    ref = generate(tgt, prompt, max_new_tokens=n_new)[0].token_ids
+    for dr, opts in _oracle_drafters(tgt):
+        if opts.get("reuse") == "refresh":
+            continue
         r = generate(tgt, prompt, max_new_tokens=n_new, method=dr.kind, drafter=dr,
                      tree_nodes=8, tree_depth=depth, tree_top_k=2, **opts)[0]
         assert r.token_ids == ref
@@ -83,6 +91,44 @@ def test_oracle_drafters_reach_full_acceptance():
     r = generate(tgt, prompt, max_new_tokens=1 + 5 * (gamma + 1), method="sd", drafter=sd, gamma=gamma)[0]
     assert r.token_ids == generate(tgt, prompt, max_new_tokens=1 + 5 * (gamma + 1))[0].token_ids
     assert r.stats["tau"] == gamma + 1 and r.stats["accepted_hist"] == [0] * gamma + [5]
+
+
+def test_eos_inside_an_accepted_round_stops_there_for_every_method():
+    """With drafters that are always right, EOS falls in the middle of an accepted run of drafts:
+    the sequence must end exactly where ar ends it, while its batch-mate runs on."""
+    tgt = bigram_target()
+    n_new = 1 + 4 * 5
+    starts = [[9, t] for t in range(64)]  # the next token depends on the last one only
+    conts = [r.token_ids for r in generate(tgt, starts, max_new_tokens=n_new)]
+    # a continuation whose token 3 or 4 is new: as EOS it ends the sequence inside round 1
+    # (round 1 commits new tokens 2..6 at depth 4)
+    first, k, other = next((i, k, j) for i, c in enumerate(conts) for k in (2, 3) if c[k] not in c[:k]
+                           for j, o in enumerate(conts) if c[k] not in o)
+    eos = conts[first][k]
+    tgt.config = tgt.config.replace(eos_token_ids=(eos,))
+    prompts = [starts[first], starts[other]]
+    ref = [r.token_ids for r in generate(tgt, prompts, max_new_tokens=n_new)]
+    assert ref[0] == conts[first][: k + 1] and len(ref[1]) == n_new   # mixed finish
+    sd = (Drafter("sd", tgt.params, tgt.config), dict(gamma=4))
+    for dr, opts in _oracle_drafters(tgt) + [sd]:
+        tree = {} if dr.kind == "sd" else dict(tree_nodes=8, tree_depth=4, tree_top_k=2)
+        res = generate(tgt, prompts, max_new_tokens=n_new, method=dr.kind, drafter=dr, **opts, **tree)
+        assert [r.token_ids for r in res] == ref, (dr.kind, opts)
+        assert res[0].stats["new_tokens"] == k + 1
+
+
+@pytest.mark.parametrize("method, opts", METHODS)
+def test_bf16_generate_matches_bf16_ar(method, opts):
+    """The accelerator default dtype end to end: drafters (random, cast to bf16 at load) beside a
+    bf16 target, every method token-identical to bf16 ar on this target."""
+    tgt = tiny_target(vocab=64, dtype="bfloat16", seed=2)
+    drafter = load_drafter(method, target=tgt, random_init=True, seed=1)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 64, size=n).tolist() for n in (3, 11)]
+    ref = [r.token_ids for r in generate(tgt, prompts, max_new_tokens=16)]
+    shape = dict(gamma=3) if method == "sd" else dict(tree_nodes=6, tree_depth=3, tree_top_k=2)
+    res = generate(tgt, prompts, max_new_tokens=16, method=method, drafter=drafter, **opts, **shape)
+    assert [r.token_ids for r in res] == ref
 
 
 def test_chain_reuse_runs_fewer_drafter_steps(tiny, drafters):
