@@ -305,6 +305,9 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
             raise InputError(f"method {method!r} needs a drafter: hsd_jax.load_drafter({method!r}, ...)")
         if drafter.kind != method:
             raise InputError(f"method {method!r} needs a {method!r} drafter, got a {drafter.kind!r} one")
+        if method == "eagle" and drafter.config.readout_context > 1:
+            raise InputError(f"this eagle drafter's read-out sees {drafter.config.readout_context} path tokens "
+                             "(readout_context > 1): the engine serves that for hsd only")
         known = {f.name for f in dataclasses.fields(engine.SpecConfig)} - {"method"}
         unknown = set(options) - known
         if unknown:

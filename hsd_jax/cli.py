@@ -225,7 +225,7 @@ def _add_bench(sub):
 
 
 def cmd_bench(a) -> int:
-    from hsd_jax.bench import (BenchError, drafter_paths, format_table, machine_info, make_runner, method_spec, plot,
+    from hsd_jax.bench import (drafter_paths, format_table, machine_info, make_runner, method_spec, plot,
                                run_bench)
     from hsd_jax.prompts import load_suite
 

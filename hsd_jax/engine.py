@@ -197,36 +197,59 @@ def hsd_chain_extend(dparams, dcfg, cache: KVCache, chain, start):
     return chain, cache, steps
 
 
-def grow_tree(first, children, root_tokens, spec: SpecConfig) -> Tree:
+def grow_tree(first, children, root_tokens, spec: SpecConfig, root_context=None) -> Tree:
     """A dynamic tree from top-k drafts: `first` = (tokens, log-probs) [B, k] at depth 1 and
-    `children(j, frontier_tokens)` -> the same [B, F, k] for the children at depth j+1."""
+    `children(j, frontier_tokens, frontier_context)` -> the same [B, F, k] for the children at
+    depth j+1. With `root_context` [B, n] (the committed tokens before the root, most recent
+    first), frontier_context [B, F, n] holds each frontier node's path tokens before it;
+    otherwise it is None."""
     k = spec.tree_top_k
     depth_tokens, depth_scores, depth_parents = [first[0]], [first[1]], [jnp.full_like(first[0], -1)]
+    ctx = None
+    if root_context is not None:  # the path before each depth-1 candidate: root, then the root's context
+        path = jnp.concatenate([root_tokens[:, None], root_context[:, :-1]], 1)
+        ctx = jnp.broadcast_to(path[:, None], first[0].shape + path.shape[-1:])
     for j in range(1, spec.tree_depth):
         fidx, ftok, fscore = tree_lib.expand_frontier(depth_tokens[-1], depth_scores[-1], k)
-        ctok, clogp = children(j, ftok)
+        fctx = None if ctx is None else jnp.take_along_axis(ctx, fidx[..., None], 1)
+        ctok, clogp = children(j, ftok, fctx)
         t, s, par = tree_lib.child_candidates(fscore, clogp, ctok, frontier_idx=fidx)
+        if ctx is not None:  # a child's path before it: its parent, then the parent's path
+            path = jnp.concatenate([ftok[..., None], fctx[..., :-1]], -1)
+            ctx = jnp.repeat(path, ctok.shape[-1], axis=1)
         depth_tokens.append(t), depth_scores.append(s), depth_parents.append(par)
     return tree_lib.dynamic_tree(depth_tokens, depth_scores, depth_parents, root_tokens, spec.slots)
 
 
-def hsd_draft(dparams, dcfg, view, chain, root_tokens, spec: SpecConfig) -> Tree:
+def hsd_draft(dparams, dcfg, view, chain, root_tokens, spec: SpecConfig, root_context=None) -> Tree:
     """Grow a dynamic tree from the stored chain g_p..g_{p+D-1}: depth j+1 reads g_{p+j} with
-    each frontier token injected; one batched read-out per depth."""
+    each frontier token injected; one batched read-out per depth. A read-out that sees earlier
+    path tokens (`readout_context` > 1) gets them from `root_context` [B, context-1] and the tree."""
     k = spec.tree_top_k
 
-    def children(j, ftok):
+    def children(j, ftok, fctx):
         g = jnp.broadcast_to(chain[:, j][:, None], ftok.shape + chain.shape[-1:])
-        return _topk_draft(drafter.readout(dparams, dcfg, view, g, ftok), view, k)
+        return _topk_draft(drafter.readout(dparams, dcfg, view, g, ftok, fctx), view, k)
 
-    first = _topk_draft(drafter.readout(dparams, dcfg, view, chain[:, 0], root_tokens), view, k)
-    return grow_tree(first, children, root_tokens, spec)
+    first = _topk_draft(drafter.readout(dparams, dcfg, view, chain[:, 0], root_tokens, root_context), view, k)
+    return grow_tree(first, children, root_tokens, spec, root_context)
+
+
+def recent_tokens(prompt_tokens, prompt_lens, tokens, count, n: int):
+    """[B, n] the committed tokens before the newest one (tokens[count - 1]), most recent first,
+    reaching back into the prompt (its first token repeats past the start, as in training)."""
+    b = prompt_tokens.shape[0]
+    back = count[:, None] - 2 - jnp.arange(n)[None, :]          # index into the generated tokens
+    gen = jnp.take_along_axis(tokens, jnp.maximum(back, 0), 1)
+    ppos = jnp.maximum(prompt_lens[:, None] + back, 0)           # else into the prompt
+    prompt = jnp.take_along_axis(prompt_tokens, ppos, 1)
+    return jnp.where(back >= 0, gen, prompt).reshape(b, n)
 
 
 def ngram_draft(table, root_tokens, spec: SpecConfig) -> Tree:
     """The n-gram floor: every node's children are its token's most frequent successors."""
     k = spec.tree_top_k
-    return grow_tree(ngram.children(table, root_tokens, k), lambda j, ftok: ngram.children(table, ftok, k),
+    return grow_tree(ngram.children(table, root_tokens, k), lambda j, ftok, _: ngram.children(table, ftok, k),
                      root_tokens, spec)
 
 
@@ -425,7 +448,10 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
         key, k_draft, k_acc = jax.random.split(key, 3)
         draft = None
         if spec.method == "hsd":
-            tree = hsd_draft(dparams, dcfg, view, dstate[1], root, spec)
+            context = None
+            if dcfg.readout_context > 1:
+                context = recent_tokens(prompt_tokens, lens, tokens, count, dcfg.readout_context - 1)
+            tree = hsd_draft(dparams, dcfg, view, dstate[1], root, spec, context)
             dsteps = zero_steps
         elif spec.method == "eagle":
             tree, dsteps = eagle_draft(dparams, dcfg, view, dstate[0], dstate[1], root, spec)

@@ -1,5 +1,4 @@
 """The target model gives the same outputs with the Pallas tree-attention kernel and the jnp reference."""
-import jax
 import numpy as np
 
 from hsd_jax.api import generate

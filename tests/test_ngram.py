@@ -1,6 +1,5 @@
 """The n-gram floor drafter: bigram counting, fallback rows, building it from data with the CLI."""
 import json
-import os
 import subprocess
 import sys
 

@@ -1,5 +1,4 @@
 """Speculative engine on a tiny random target: losslessness, bookkeeping, batching, reuse, errors."""
-import itertools
 
 import jax
 import jax.numpy as jnp

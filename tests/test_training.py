@@ -63,6 +63,85 @@ def test_chain_diagnostics_tell_a_copying_chain_from_a_working_one(tiny):
     assert working["heldout_chains"] == copying["heldout_chains"] > 0
 
 
+def test_readout_context_sees_the_path_tokens(tiny):
+    """readout_context > 1: the read-out's extra inputs are the path's earlier tokens, they get
+    gradient, the config is validated; the engine serves it for hsd (greedy identity with ar)
+    and refuses it for eagle."""
+    import jax.numpy as jnp
+
+    from hsd_jax import generate, load_drafter
+    from hsd_jax.api import InputError
+    from hsd_jax.models import drafter as dmod
+    from hsd_jax.train import losses
+
+    toks = jnp.asarray([[5, 6, 7, 8]])
+    assert losses.path_context(toks, 2).tolist() == [[[5, 5], [6, 5], [7, 6], [8, 7]]]
+    with pytest.raises(ConfigError, match="readout_context"):
+        dmod.DrafterConfig.for_target("hsd", tiny.config, readout_context=5)
+    with pytest.raises(ConfigError, match="fused read-out"):
+        dmod.DrafterConfig.for_target("hsd", tiny.config, injection="additive", readout_context=2)
+    d = load_drafter("hsd", target=tiny, random_init=True, readout_context=3)
+    assert d.params["inject"]["w1"].shape[0] == 4 * tiny.config.hidden_size
+    d.params["inject"]["w2"] = jnp.full_like(d.params["inject"]["w2"], 0.01)  # let the read-out's MLP speak
+    view = dmod.target_view(tiny.params, tiny.config, d.d2t)
+    rng = np.random.default_rng(1)
+    b, w = 2, 16
+    batch = losses.Batch(jnp.asarray(rng.integers(0, 64, (b, w)), jnp.int32),
+                         jnp.asarray(rng.normal(size=(b, w, 32)), jnp.float32), jnp.ones((b, w), bool),
+                         jnp.ones((b, w), bool))
+
+    def loss(p):
+        return losses.drafter_loss(p, d.config, view, jnp.arange(64, dtype=jnp.int32), batch, jax.random.key(0),
+                                   steps=2, ce_positions=6)[0]
+
+    grad_w1 = jax.grad(loss)(d.params)["inject"]["w1"]
+    d_ = tiny.config.hidden_size
+    assert float(jnp.abs(grad_w1[2 * d_:]).sum()) > 0   # the context tokens' rows learn
+    prompts = [rng.integers(0, 64, size=n).tolist() for n in (1, 5, 12)]
+    ref = [r.token_ids for r in generate(tiny, prompts, max_new_tokens=20)]
+    for reuse in ("none", "refresh"):
+        res = generate(tiny, prompts, max_new_tokens=20, method="hsd", drafter=d, reuse=reuse, tree_nodes=8,
+                       tree_depth=3, tree_top_k=2)
+        assert [r.token_ids for r in res] == ref
+    eagle = load_drafter("eagle", target=tiny, random_init=True, readout_context=2)
+    with pytest.raises(InputError, match="hsd only"):
+        generate(tiny, [[1, 2, 3]], max_new_tokens=4, method="eagle", drafter=eagle)
+
+
+def test_engine_feeds_the_read_out_each_node_s_path():
+    """The tree hands every frontier node the tokens on its path before it, and the first read-out
+    the committed tokens before the root (reaching into the prompt)."""
+    import jax.numpy as jnp
+
+    from hsd_jax import engine
+
+    prompt = jnp.asarray([[11, 12, 13, 0], [21, 22, 0, 0]])
+    lens = jnp.asarray([3, 2])
+    gen = jnp.asarray([[30, 31, 32, -1], [40, -1, -1, -1]])
+    count = jnp.asarray([3, 1])            # newest committed: 32 and 40
+    assert engine.recent_tokens(prompt, lens, gen, count, 3).tolist() == [[31, 30, 13], [22, 21, 21]]
+
+    spec = engine.SpecConfig(method="hsd", tree_nodes=10, tree_depth=3, tree_top_k=2)
+
+    def children(j, ftok, fctx):  # a child's token encodes its parent's token and the parent's predecessor
+        base = (ftok * 31 + fctx[..., 0] * 7) % 997
+        return jnp.stack([base + c for c in range(2)], -1), jnp.stack([-0.1 * (c + 1) - j + 0 * ftok for c in range(2)], -1)
+
+    root, root_ctx = jnp.asarray([5]), jnp.asarray([[4, 3]])
+    first = (jnp.asarray([[50, 60]]), jnp.asarray([[-0.1, -0.2]]))
+    tree = engine.grow_tree(first, children, root, spec, root_ctx)
+    tok, par = np.asarray(tree.tokens[0]), np.asarray(tree.parents[0])
+    checked = 0
+    for i in range(1, len(tok)):
+        p = par[i]
+        if p <= 0:
+            continue                       # depth 1: drawn by `first`
+        before_p = tok[par[p]]             # the parent's predecessor on the path (the root for depth 1)
+        assert (tok[i] - (tok[p] * 31 + before_p * 7) % 997) in (0, 1)
+        checked += 1
+    assert checked >= 4
+
+
 def _cfg(tmp_path, data_dir, **kw):
     base = dict(kind="hsd", data_dir=data_dir, out_dir=str(tmp_path / "run"), steps=400, batch_size=8, window=40,
                 unroll=2, ce_positions=8, learning_rate=1e-2, warmup_steps=10, draft_vocab_size=0,

@@ -44,6 +44,7 @@ class DrafterConfig:
     injection: str = "fused"       # hsd
     readout: str = "fused"         # eagle: plain or fused
     inj_hidden: int = 0            # fused MLP width (0 = 2 * hidden)
+    readout_context: int = 1       # path tokens the fused read-out sees: the current one and context-1 before it
     feature_layers: tuple[int, ...] = ()   # target layers fused into the input (EAGLE-3 style)
     feature_rms: float = 1.0       # scale c of injected terms (the target features' RMS)
     rope_theta: float = 10000.0
@@ -58,6 +59,9 @@ class DrafterConfig:
         _require(0 <= self.draft_vocab_size <= self.vocab_size,
                  f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}], got {self.draft_vocab_size}")
         _require(self.feature_rms > 0, "feature_rms must be > 0")
+        _require(1 <= self.readout_context <= 4, f"readout_context must be in [1, 4], got {self.readout_context}")
+        _require(self.readout_context == 1 or self.uses_fused_readout,
+                 "readout_context > 1 needs the fused read-out (injection/readout 'fused')")
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
         _require(self.kind == "hsd" or not self.feature_layers, "feature_layers fusion is implemented for hsd only")
 
@@ -133,20 +137,27 @@ def init_drafter_params(cfg: DrafterConfig, key: jax.Array) -> dict:
         params["fc"] = {"kernel": eye + 0.01 * jax.random.normal(k_fc, (n_fc, d))}
     if cfg.uses_fused_readout:
         h = cfg.mlp_hidden
-        params["inject"] = {"w1": 0.02 * jax.random.normal(k_inj, (2 * d, h)), "b1": jnp.zeros((h,)),
+        n_in = d * (1 + cfg.readout_context)
+        params["inject"] = {"w1": 0.02 * jax.random.normal(k_inj, (n_in, h)), "b1": jnp.zeros((h,)),
                             "w2": jnp.zeros((h, d))}
     elif cfg.kind == "hsd":
         params["inject"] = {"w": jnp.zeros((d, d))}
     return params
 
 
-def readout(params: dict, cfg: DrafterConfig, view: TargetView, g: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Draft-vocab logits [..., V_d] for the token after `tokens`, from drafter features g [..., d]."""
+def readout(params: dict, cfg: DrafterConfig, view: TargetView, g: jax.Array, tokens: jax.Array,
+            context: jax.Array | None = None) -> jax.Array:
+    """Draft-vocab logits [..., V_d] for the token after `tokens`, from drafter features g [..., d].
+
+    context [..., readout_context - 1]: the path's tokens before `tokens`, most recent first
+    (only with `readout_context` > 1). They enter the read-out only: the chain stays token-free."""
     e = _unit_rms(jnp.take(view.embedding, tokens, axis=0))
     gf = g.astype(jnp.float32)
     if cfg.uses_fused_readout:
         p = params["inject"]
-        hid = jax.nn.silu(jnp.concatenate([_unit_rms(gf), e], -1) @ p["w1"] + p["b1"])
+        more = [] if cfg.readout_context == 1 else [
+            _unit_rms(jnp.take(view.embedding, context[..., i], axis=0)) for i in range(cfg.readout_context - 1)]
+        hid = jax.nn.silu(jnp.concatenate([_unit_rms(gf), e, *more], -1) @ p["w1"] + p["b1"])
         gf = gf + cfg.feature_rms * (hid @ p["w2"])
     elif cfg.kind == "hsd":
         gf = gf + cfg.feature_rms * (e @ params["inject"]["w"])

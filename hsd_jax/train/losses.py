@@ -79,6 +79,15 @@ class LossWeights(NamedTuple):
     step_decay: float = 0.8
 
 
+def path_context(tokens: jax.Array, n: int) -> jax.Array | None:
+    """[B, W, n]: for position q the tokens x_q, x_{q-1}, ... (the path before x_{q+1}, most recent
+    first; clamped at the window start), or None when n == 0."""
+    if n == 0:
+        return None
+    return jnp.stack([jnp.concatenate([tokens[:, :1].repeat(i, 1), tokens[:, : tokens.shape[1] - i]], 1)
+                      for i in range(n)], -1)
+
+
 def _step_mask(batch: Batch, k: int):
     """Valid (position, step k) pairs: the chain starting at q-k+1 lies in the response."""
     start_ok = jnp.roll(batch.chain_ok, k - 1, axis=1) & (jnp.arange(batch.valid.shape[1]) >= k - 1)
@@ -94,6 +103,7 @@ def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_p
     f_next = jnp.concatenate([batch.features[:, 1:], batch.features[:, -1:]], 1).astype(jnp.float32)
     x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
     labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
+    ctx = path_context(batch.tokens, dcfg.readout_context - 1)
     logits_p = jnp.where(batch.valid, 0.0, -jnp.inf)
     pick = jax.random.categorical(key, jnp.broadcast_to(logits_p[:, None], (b, ce_positions, w)), axis=-1)
     has_any = jnp.any(batch.valid, 1, keepdims=True)
@@ -104,7 +114,8 @@ def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_p
         feat = (feat * m).sum() / jnp.maximum(m.sum(), 1.0)
         g_sel = jnp.take_along_axis(g, pick[..., None], 1)
         lab = t2d[jnp.take_along_axis(labels, pick, 1)]
-        logits = dmod.readout(params, dcfg, view, g_sel, jnp.take_along_axis(x_next, pick, 1))
+        ctx_sel = None if ctx is None else jnp.take_along_axis(ctx, pick[..., None], 1)
+        logits = dmod.readout(params, dcfg, view, g_sel, jnp.take_along_axis(x_next, pick, 1), ctx_sel)
         ce_mask = (jnp.take_along_axis(m, pick, 1) > 0) & (lab >= 0) & has_any
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(lab, 0))
         ce = (ce * ce_mask).sum() / jnp.maximum(ce_mask.sum(), 1)
@@ -132,7 +143,8 @@ def chain_acceptance(params, dcfg, view, t2d, batch: Batch, steps: int):
     labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
     w = batch.tokens.shape[1]
     correct, masks, sums = [], [], {k: [] for k in ("bypass_correct", "feature_err", "copy_err")}
-    top1 = lambda g: jnp.take(view.d2t, jnp.argmax(dmod.readout(params, dcfg, view, g, x_next), -1))
+    ctx = path_context(batch.tokens, dcfg.readout_context - 1)
+    top1 = lambda g: jnp.take(view.d2t, jnp.argmax(dmod.readout(params, dcfg, view, g, x_next, ctx), -1))
     for k, g in enumerate(outs, 1):
         mask = _step_mask(batch, k)
         last_true = jnp.roll(feats, k - 1, axis=1)  # f_{q-k+1}: the chain's anchor for depth k at q

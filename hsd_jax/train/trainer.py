@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -45,6 +44,7 @@ class TrainConfig:
     draft_vocab_size: int = 8192
     injection: str = "fused"
     readout: str = "fused"
+    readout_context: int = 1  # path tokens the fused read-out sees (hsd: 1 = the current token only)
     save_every: int = 100
     eval_every: int = 250
     max_to_keep: int = 2
@@ -226,6 +226,7 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     t2d = jnp.asarray(t2d)
     dcfg = dmod.DrafterConfig.for_target(cfg.kind, target.config, draft_vocab_size=len(d2t),
                                          injection=cfg.injection, readout=cfg.readout,
+                                         readout_context=cfg.readout_context,
                                          feature_rms=rms)
     view = dmod.target_view(target.params, target.config, d2t)
     weights = losses.LossWeights(ce=cfg.ce_weight)
