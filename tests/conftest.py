@@ -34,3 +34,16 @@ def mt_prompts():
     from hsd_jax.prompts import load_suite
 
     return load_suite("mt_bench")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compile_caches():
+    """Drop compiled programs after each test module: the suite compiles hundreds of decode loops
+    in one process, and holding every executable to the end grows memory without bound."""
+    yield
+    import jax
+
+    from hsd_jax import api
+
+    api._COMPILED.clear()
+    jax.clear_caches()
