@@ -23,7 +23,7 @@ def diagnose(target, drafter, data, batch_size: int, depth: int) -> dict:
 
     from hsd_jax.models import drafter as dmod
     from hsd_jax.train import losses
-    from hsd_jax.train.trainer import _float32, chain_report
+    from hsd_jax.train.trainer import _float32, heldout_report
 
     params = _float32(drafter.params)
     cfg = drafter.config
@@ -31,15 +31,7 @@ def diagnose(target, drafter, data, batch_size: int, depth: int) -> dict:
     t2d = np.full(target.config.vocab_size, -1, np.int32)
     t2d[drafter.d2t] = np.arange(len(drafter.d2t), dtype=np.int32)
     fn = jax.jit(lambda p, b: losses.chain_acceptance(p, cfg, view, jnp.asarray(t2d), b, depth))
-    sums = None
-    for i in range(0, len(data.holdout), batch_size):
-        idx = data.holdout[i: i + batch_size]
-        real = np.arange(batch_size) < len(idx)
-        b = data.batch(np.resize(idx, batch_size))
-        b = b._replace(valid=b.valid & real[:, None], chain_ok=b.chain_ok & real[:, None])
-        got = {k: np.asarray(v, np.float64) for k, v in fn(params, b).items()}
-        sums = got if sums is None else {k: sums[k] + got[k] for k in sums}
-    return chain_report(sums)
+    return heldout_report(lambda b: fn(params, b), data, batch_size)
 
 
 def main() -> None:

@@ -187,6 +187,7 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
 
     from hsd_jax.models import llama
     from hsd_jax.models.drafter import Drafter, DrafterConfig, init_drafter_params
+    from hsd_jax.models.layers import jnp_dtype
     from hsd_jax.models.ngram import NgramConfig
 
     if kind not in DRAFTER_KINDS:
@@ -247,7 +248,7 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         cfg = DrafterConfig.for_target(kind, tcfg, **config)
         params = init_drafter_params(cfg, jax.random.key(seed))
         d2t = np.arange(cfg.vd, dtype=np.int32)
-    compute = jnp.bfloat16 if tcfg.dtype == "bfloat16" else jnp.float32  # the target's compute dtype
+    compute = jnp_dtype(tcfg)  # drafters compute in the target's dtype
     params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     if kind == "ngram":
         params = dict(params, next_logp=jnp.asarray(params["next_logp"], jnp.float32))  # scores stay f32 under bf16
@@ -329,9 +330,8 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         raise InputError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens}"
                          + (f" + draft tree {slack}" if slack else "")
                          + f" exceeds the cache capacity max_cache_len={target.max_cache_len}")
-    tokens, lengths = pad_prompts(ids, prompt_bucket)
-    if tokens.shape[1] + max_new_tokens + slack > target.max_cache_len:  # the bucket would overflow the cache
-        tokens, lengths = pad_prompts(ids)
+    fits = round_up(longest, prompt_bucket) + max_new_tokens + slack <= target.max_cache_len
+    tokens, lengths = pad_prompts(ids, prompt_bucket if fits else 16)  # a bucket must not overflow the cache
     capacity = min(round_up(tokens.shape[1] + max_new_tokens + slack, 128), round_up(target.max_cache_len, 16))
     key = jax.random.key(seed)
     if spec is None:

@@ -238,12 +238,11 @@ def hsd_draft(dparams, dcfg, view, chain, root_tokens, spec: SpecConfig, root_co
 def recent_tokens(prompt_tokens, prompt_lens, tokens, count, n: int):
     """[B, n] the committed tokens before the newest one (tokens[count - 1]), most recent first,
     reaching back into the prompt (its first token repeats past the start, as in training)."""
-    b = prompt_tokens.shape[0]
     back = count[:, None] - 2 - jnp.arange(n)[None, :]          # index into the generated tokens
     gen = jnp.take_along_axis(tokens, jnp.maximum(back, 0), 1)
     ppos = jnp.maximum(prompt_lens[:, None] + back, 0)           # else into the prompt
     prompt = jnp.take_along_axis(prompt_tokens, ppos, 1)
-    return jnp.where(back >= 0, gen, prompt).reshape(b, n)
+    return jnp.where(back >= 0, gen, prompt)
 
 
 def ngram_draft(table, root_tokens, spec: SpecConfig) -> Tree:

@@ -145,13 +145,13 @@ def chain_acceptance(params, dcfg, view, t2d, batch: Batch, steps: int):
     correct, masks, sums = [], [], {k: [] for k in ("bypass_correct", "feature_err", "copy_err")}
     ctx = path_context(batch.tokens, dcfg.readout_context - 1)
     top1 = lambda g: jnp.take(view.d2t, jnp.argmax(dmod.readout(params, dcfg, view, g, x_next, ctx), -1))
+    rms = lambda a: jnp.sqrt(jnp.mean(jnp.square(a), -1))
     for k, g in enumerate(outs, 1):
         mask = _step_mask(batch, k)
         last_true = jnp.roll(feats, k - 1, axis=1)  # f_{q-k+1}: the chain's anchor for depth k at q
         correct.append(top1(g) == labels)
         masks.append(mask)
         sums["bypass_correct"].append(((top1(last_true) == labels) & mask).sum())
-        rms = lambda a: jnp.sqrt(jnp.mean(jnp.square(a), -1))
         sums["feature_err"].append((rms(g - f_next) * mask).sum())
         sums["copy_err"].append((rms(last_true - f_next) * mask).sum())
     # chain starting at s: depth k is read at position s + k - 1

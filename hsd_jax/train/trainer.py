@@ -159,6 +159,20 @@ def chain_report(sums: dict) -> dict:
     return out
 
 
+def heldout_report(evaluate, data: SequenceData, batch_size: int) -> dict:
+    """`chain_report` over all held-out rows: `evaluate(batch)` returns one batch's sums. The last
+    batch is padded to `batch_size` (one compiled shape) with rows masked out."""
+    sums = None
+    for i in range(0, len(data.holdout), batch_size):
+        idx = data.holdout[i: i + batch_size]
+        real = np.arange(batch_size) < len(idx)
+        b = data.batch(np.resize(idx, batch_size))
+        b = b._replace(valid=b.valid & real[:, None], chain_ok=b.chain_ok & real[:, None])
+        got = {k: np.asarray(v, np.float64) for k, v in evaluate(b).items()}
+        sums = got if sums is None else {k: sums[k] + got[k] for k in sums}
+    return chain_report(sums)
+
+
 def draft_vocab(seqs, prompt_lens, vocab_size: int, size: int) -> np.ndarray:
     """The `size` most frequent response token ids (ties by id), sorted: the draft vocabulary."""
     counts = np.zeros(vocab_size, np.int64)
@@ -352,15 +366,7 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     eval_fn = jax.jit(task["accept"])
 
     def evaluate(params):
-        sums = None
-        for i in range(0, len(data.holdout), cfg.batch_size):
-            idx = data.holdout[i: i + cfg.batch_size]
-            real = np.arange(cfg.batch_size) < len(idx)
-            b = data.batch(np.resize(idx, cfg.batch_size))
-            b = b._replace(valid=b.valid & real[:, None], chain_ok=b.chain_ok & real[:, None])
-            got = {k: np.asarray(v, np.float64) for k, v in eval_fn(params, place(b)).items()}
-            sums = got if sums is None else {k: sums[k] + got[k] for k in sums}
-        return chain_report(sums)
+        return heldout_report(lambda b: eval_fn(params, place(b)), data, cfg.batch_size)
 
     ckpt_dir = os.path.abspath(os.path.join(cfg.out_dir, "checkpoints"))
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
