@@ -28,15 +28,17 @@ def main() -> None:
 
     from hsd_jax import generate, load_drafter, load_target
     from hsd_jax.bench import drafter_paths, method_spec
+    from hsd_jax.engine import SpecConfig
     from hsd_jax.prompts import load_suite
-    from hsd_jax.tune import tree_options
 
     paths = drafter_paths(args.drafter)
     target = load_target()
     ids = [target.encode(p, chat=True) for p in load_suite(args.suite, args.num_prompts)]
     batches = [ids[i: i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
     ar = [r.token_ids for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens)]
-    tree = tree_options(args.tree_nodes, args.tree_depth, args.top_k)
+    spec = SpecConfig(tree_nodes=args.tree_nodes or SpecConfig.tree_nodes, tree_depth=args.tree_depth or SpecConfig.tree_depth,
+                      tree_top_k=args.top_k or SpecConfig.tree_top_k)
+    tree = dict(tree_nodes=spec.tree_nodes, tree_depth=spec.tree_depth, tree_top_k=spec.tree_top_k)
     out = {"suite": args.suite, "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "tree": tree,
            "drafters": paths, "methods": {}}
     for name in args.methods.split(","):

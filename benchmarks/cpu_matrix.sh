@@ -6,12 +6,12 @@
 # refresh one table. Results: benchmarks/results/<hardware>/*.json, figures next to them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-HW=$(python -c "from hsd_jax.tune import hardware_key; print(hardware_key())")
+HW=$(python -c "from hsd_jax.tuning import hardware_key; print(hardware_key())")
 OUT=benchmarks/results/$HW
 mkdir -p "$OUT"
 METHODS=ar,sd,eagle,hsd
-# the headline also runs HSD with the reuse policy that `hsd tune` did not pick
-OTHER=$(python -c "from hsd_jax.tune import default_reuse; print('hsd-noreuse' if default_reuse() != 'none' else 'hsd-refresh')")
+# the headline also runs HSD with the reuse policy that is not the default
+OTHER=$(python -c "from hsd_jax.engine import SpecConfig; print('hsd-noreuse' if SpecConfig.reuse != 'none' else 'hsd-refresh')")
 
 hsd bench --suite mt_bench --num-prompts 40 --max-new-tokens 128 --methods $METHODS,$OTHER,ngram \
     --json "$OUT/mt_bench_T0_b1_headline.json" --plot "$OUT/mt_bench_T0_b1_headline.png"

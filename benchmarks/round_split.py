@@ -40,8 +40,11 @@ def main() -> None:
     from hsd_jax import engine, generate, load_drafter, load_target
     from hsd_jax.cache import init_cache
     from hsd_jax.config import SamplingConfig
+    from hsd_jax.methods import eagle as eagle_m
+    from hsd_jax.methods import hsd as hsd_m
     from hsd_jax.models import drafter as dmod
     from hsd_jax.prompts import load_suite
+    from hsd_jax.verify import accept
 
     target = load_target("smollm2-135m", max_cache_len=1024)
     drafter = (load_drafter(args.method, target=target) if args.shipped else
@@ -69,11 +72,11 @@ def main() -> None:
     sampling = SamplingConfig()
 
     if args.method == "hsd":
-        draft = jax.jit(functools.partial(engine.hsd_draft, dcfg=dcfg, spec=spec))
+        draft = jax.jit(functools.partial(hsd_m.tree_from_chain, dcfg=dcfg, spec=spec))
         draft_ms = _time(lambda: draft(drafter.params, view=view, chain=chain, root_tokens=root))
         tree = draft(drafter.params, view=view, chain=chain, root_tokens=root)
     else:
-        draft = jax.jit(functools.partial(engine.eagle_draft, dcfg=dcfg, spec=spec))
+        draft = jax.jit(functools.partial(eagle_m.tree_from_root, dcfg=dcfg, spec=spec))
         draft_ms = _time(lambda: draft(drafter.params, view=view, cache=dcache, root_g=chain[:, 0], root_tokens=root))
         tree, _ = draft(drafter.params, view=view, cache=dcache, root_g=chain[:, 0], root_tokens=root)
     verify = jax.jit(engine.verify_tree, static_argnums=1)
@@ -82,17 +85,17 @@ def main() -> None:
 
     @jax.jit
     def accept_commit(tree, logits, cache):
-        acc = engine.accept(tree, logits, jax.random.key(0), sampling)
+        acc = accept(tree, logits, jax.random.key(0), sampling)
         return acc, engine.commit(cache, acc, jnp.ones((b,), bool))
 
     ac_ms = _time(lambda: accept_commit(tree, logits, vout.cache))
     acc, _ = accept_commit(tree, logits, vout.cache)
     if args.method == "hsd":
-        upd = jax.jit(functools.partial(engine.hsd_update, dcfg=dcfg, reuse="none"))
+        upd = jax.jit(functools.partial(hsd_m.rebuild_chain, dcfg=dcfg, reuse="none"))
         upd_ms = _time(lambda: upd(drafter.params, cache=dcache, chain=chain, acc=acc, feats=vout.features,
                                    aux=vout.aux_features, live=jnp.ones((b,), bool)))
     else:
-        upd = jax.jit(functools.partial(engine.eagle_update, dcfg=dcfg))
+        upd = jax.jit(functools.partial(eagle_m.ingest_accepted, dcfg=dcfg))
         upd_ms = _time(lambda: upd(drafter.params, view=view, cache=dcache, tree=tree, acc=acc,
                                    feats=vout.features, live=jnp.ones((b,), bool)))
     total = draft_ms + verify_ms + ac_ms + upd_ms

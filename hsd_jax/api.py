@@ -11,12 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsd_jax import sharding
-from hsd_jax.config import ConfigError, ModelConfig, SamplingConfig
+from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig
 from hsd_jax.loading.errors import ModelLoadError
-
-
-class InputError(ValueError):
-    """Bad user input to generate (empty prompt, too long for the cache, ...)."""
+from hsd_jax.models.drafter import Drafter
 
 
 @dataclasses.dataclass
@@ -88,14 +85,36 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
     return Target(params, cfg, tok, int(max_cache_len), model)
 
 
+PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this many tokens (one compile per multiple)
+
+
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _as_list(prompts) -> list:
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def check_request(prompts, max_new_tokens: int, prompt_bucket: int = PROMPT_BUCKET) -> None:
+    """The checks on a request that need no model (the CLI runs them before loading one)."""
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prompt_bucket < 1:
+        raise InputError(f"prompt_bucket must be >= 1, got {prompt_bucket}")
+    prompts = _as_list(prompts)
+    if not prompts:
+        raise InputError("no prompts given")
+    for i, p in enumerate(prompts):
+        if (isinstance(p, str) and not p.strip()) or len(p) == 0:
+            raise InputError(f"prompt {i} is empty")
+
+
 def encode_prompts(target: Target, prompts, chat: bool) -> list[list[int]]:
     """Token ids per prompt; prompts are strings or lists of token ids."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
+    prompts = _as_list(prompts)
     if not prompts:
         raise InputError("no prompts given")
     ids = []
@@ -115,7 +134,7 @@ def encode_prompts(target: Target, prompts, chat: bool) -> list[list[int]]:
     return ids
 
 
-def pad_prompts(ids: list[list[int]], multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
+def pad_prompts(ids: list[list[int]], multiple: int = PROMPT_BUCKET) -> tuple[np.ndarray, np.ndarray]:
     """Right-pad to a bucketed length (limits recompiles); returns tokens [B, T] and lengths [B]."""
     t = round_up(max(len(p) for p in ids), multiple)
     tokens = np.zeros((len(ids), t), np.int32)
@@ -164,7 +183,6 @@ def save_drafter(drafter, path: str) -> None:
         ckpt.save(os.path.abspath(params_path), drafter.params, force=True)
 
 
-DRAFTER_KINDS = ("hsd", "eagle", "sd", "ngram")
 SHIPPED_DRAFTERS = os.path.join(os.path.dirname(__file__), "drafters")
 
 
@@ -174,33 +192,43 @@ def shipped_drafter(kind: str, target: Target) -> str | None:
     return path if os.path.isfile(os.path.join(path, "drafter.json")) else None
 
 
+def _restore_params(path: str):
+    """An Orbax params checkpoint, restored onto this process's first device whatever topology saved it."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckpt:
+        dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        meta_tree = ckpt.metadata(os.path.abspath(path))
+        meta_tree = getattr(meta_tree, "item_metadata", meta_tree)
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), meta_tree)
+        return ckpt.restore(os.path.abspath(path), abstract)
+
+
 def load_drafter(kind: str, path: str | None = None, *, target: Target, random_init: bool = False,
-                 seed: int = 0, **config) -> "Drafter":
-    """A drafter for `target`: `hsd`, `eagle` (feature drafters), `sd` (a small draft LM) or
-    `ngram` (the bigram-table floor, built by `hsd data ngram`).
+                 seed: int = 0, **config) -> Drafter:
+    """A drafter for `target` and the method of the same name (`hsd_jax.methods.REGISTRY`):
+    `hsd`, `eagle` (feature drafters), `sd` (a small draft LM) or `ngram` (the bigram-table
+    floor, built by `hsd data ngram`).
 
     From `path` (a directory written by `save_drafter`), the drafter shipped for the target
     (`hsd_jax/drafters/<model>/<kind>`) when no path is given, or random weights when asked
-    with `random_init=True` (for tests and engine checks; acceptance will be low).
+    with `random_init=True` (for tests and engine checks; acceptance will be low). `config`
+    overrides fields of the stored (or default) drafter config.
     """
     import json
 
-    from hsd_jax.models import llama
-    from hsd_jax.models.drafter import Drafter, DrafterConfig, init_drafter_params
+    from hsd_jax import methods
     from hsd_jax.models.layers import jnp_dtype
-    from hsd_jax.models.ngram import NgramConfig
 
-    if kind not in DRAFTER_KINDS:
-        raise ConfigError(f"drafter kind must be one of {', '.join(DRAFTER_KINDS)}, got {kind!r}")
+    if kind not in methods.REGISTRY:
+        raise ConfigError(f"drafter kind must be one of {', '.join(methods.REGISTRY)}, got {kind!r}")
+    dk = methods.REGISTRY[kind].drafter
     if path is None and not random_init:
         path = shipped_drafter(kind, target)
         if path is None:
             raise ModelLoadError(f"no {kind} drafter given and none is shipped for {target.name!r}: pass "
                                  "path=... (a trained drafter directory) or random_init=True")
-    tcfg = target.config
     if path is not None:
-        import orbax.checkpoint as ocp
-
         meta, d2t_path, params_path = _drafter_paths(path)
         if not os.path.isfile(meta):
             raise ModelLoadError(f"not a drafter directory (no drafter.json): {path}")
@@ -208,60 +236,17 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
             info = json.load(f)
         if info.get("kind") != kind:
             raise ModelLoadError(f"{path} holds a {info.get('kind')!r} drafter, not {kind!r}")
-        raw = dict(info["config"], **config)
-        if kind == "sd" and isinstance(raw.get("rope_scaling"), dict):
-            from hsd_jax.config import RopeScaling
-
-            raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
         try:
-            cfg = {"sd": ModelConfig, "ngram": NgramConfig}.get(kind, DrafterConfig)(**raw)
+            cfg = dk.config(dict(info["config"], **config))
         except TypeError as e:
             raise ModelLoadError(f"{meta}: {e}") from None
-        d2t = np.load(d2t_path, allow_pickle=False) if os.path.isfile(d2t_path) else None
-        with ocp.StandardCheckpointer() as ckpt:  # onto this process's first device, whatever topology saved it
-            dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            meta_tree = ckpt.metadata(os.path.abspath(params_path))
-            meta_tree = getattr(meta_tree, "item_metadata", meta_tree)
-            abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), meta_tree)
-            params = ckpt.restore(os.path.abspath(params_path), abstract)
-        if kind == "ngram":
-            d2t = None
-        if kind == "sd":
-            cfg = cfg.replace(dtype=tcfg.dtype)  # the draft LM computes in the target's dtype, as it is cast below
-            needed = ("embed_tokens",) if cfg.tie_word_embeddings else ("embed_tokens", "lm_head")
-            params = dict({k: target.params[k] for k in needed if k not in params}, **params)
-    elif kind == "ngram":
-        cfg = NgramConfig(vocab_size=tcfg.vocab_size, **config)
-        rng = np.random.default_rng(seed)
-        params = {"next_tokens": rng.integers(0, cfg.vocab_size, (cfg.vocab_size, cfg.top_k), dtype=np.int32),
-                  "next_logp": np.tile(-np.arange(1, cfg.top_k + 1, dtype=np.float32), (cfg.vocab_size, 1))}
-        d2t = None
-    elif kind == "sd":
-        defaults = dict(vocab_size=tcfg.vocab_size, hidden_size=max(tcfg.hidden_size // 2, 16),
-                        intermediate_size=max(tcfg.intermediate_size // 2, 32), num_layers=2,
-                        num_heads=max(tcfg.num_kv_heads, 1), num_kv_heads=max(tcfg.num_kv_heads, 1),
-                        tie_word_embeddings=True, rope_theta=tcfg.rope_theta, dtype=tcfg.dtype,
-                        eos_token_ids=tcfg.eos_token_ids)
-        cfg = ModelConfig(**dict(defaults, **config))
-        params, d2t = llama.init_params(cfg, jax.random.key(seed)), None
+        d2t = np.load(d2t_path, allow_pickle=False) if dk.has_draft_vocab and os.path.isfile(d2t_path) else None
+        params = _restore_params(params_path)
     else:
-        cfg = DrafterConfig.for_target(kind, tcfg, **config)
-        params = init_drafter_params(cfg, jax.random.key(seed))
-        d2t = np.arange(cfg.vd, dtype=np.int32)
-    compute = jnp_dtype(tcfg)  # drafters compute in the target's dtype
+        params, cfg, d2t = dk.random(target, seed, **config)
+    compute = jnp_dtype(target.config)  # drafters compute in the target's dtype
     params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    if kind == "ngram":
-        params = dict(params, next_logp=jnp.asarray(params["next_logp"], jnp.float32))  # scores stay f32 under bf16
-        cfg.check_target(tcfg)
-        if params["next_tokens"].shape != (cfg.vocab_size, cfg.top_k):
-            raise ModelLoadError(f"n-gram table must be [{cfg.vocab_size}, {cfg.top_k}], got {params['next_tokens'].shape}")
-    elif kind == "sd":
-        if cfg.vocab_size != tcfg.vocab_size:
-            raise ConfigError(f"draft LM vocab {cfg.vocab_size} does not match the target's {tcfg.vocab_size}")
-    else:
-        cfg.check_target(tcfg)
-        if d2t is None or len(d2t) != cfg.vd or (len(d2t) and (d2t.min() < 0 or d2t.max() >= tcfg.vocab_size)):
-            raise ModelLoadError(f"drafter draft-vocab map must hold {cfg.vd} target ids")
+    params, cfg, d2t = dk.finish(params, cfg, d2t, target)
     return Drafter(kind, params, cfg, d2t, path)
 
 
@@ -269,7 +254,7 @@ def _shard_args(args, mesh, target: Target, drafter, batch: int):
     """Validate `mesh` for this target/drafter/batch and place the decode-loop arguments on it:
     target and drafter params by the partition rules, d2t and the key replicated, prompts over `data`."""
     sharding.check_mesh(target.config, mesh, batch, "target")
-    if drafter is not None and drafter.kind == "sd":
+    if drafter is not None and isinstance(drafter.config, ModelConfig):  # a draft LM (sd)
         sharding.check_mesh(drafter.config, mesh, batch, "draft model")
     *weights, tokens, lengths, key = args
     placed = [sharding.shard_params(w, mesh) for w in weights[:2]] + [sharding.replicate(w, mesh) for w in weights[2:]]
@@ -279,7 +264,7 @@ def _shard_args(args, mesh, target: Target, drafter, batch: int):
 
 def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False, method: str = "ar",
-             drafter=None, mesh=None, prompt_bucket: int = 16, **options) -> list[GenerationResult]:
+             drafter=None, mesh=None, prompt_bucket: int = PROMPT_BUCKET, **options) -> list[GenerationResult]:
     """Generate a continuation per prompt with one jitted decode loop; one result per prompt.
 
     mesh: a `hsd_jax.sharding.make_mesh(data, model)` mesh to run on several devices: params
@@ -291,38 +276,30 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
     length compiles once, so a larger bucket trades a little prefill for fewer compiles
     (accelerators, where a compile costs more than the padding).
     """
-    from hsd_jax import engine
+    from hsd_jax import engine, methods
 
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if prompt_bucket < 1:
-        raise InputError(f"prompt_bucket must be >= 1, got {prompt_bucket}")
+    check_request(prompts, max_new_tokens, prompt_bucket)
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
-    if method not in engine.METHODS:
-        raise InputError(f"unknown method {method!r}; available: {', '.join(engine.METHODS)}")
     spec = None
     if method != "ar":
+        m = methods.get(method)
         if drafter is None:
             raise InputError(f"method {method!r} needs a drafter: hsd_jax.load_drafter({method!r}, ...)")
         if drafter.kind != method:
             raise InputError(f"method {method!r} needs a {method!r} drafter, got a {drafter.kind!r} one")
-        if method == "eagle" and drafter.config.readout_context > 1:
-            raise InputError(f"this eagle drafter's read-out sees {drafter.config.readout_context} path tokens "
-                             "(readout_context > 1): the engine serves that for hsd only")
         known = {f.name for f in dataclasses.fields(engine.SpecConfig)} - {"method"}
-        unknown = set(options) - known
+        unknown = set(options) - known - {"tuned"}
         if unknown:
             raise InputError(f"unknown options for method {method!r}: {', '.join(sorted(unknown))}")
-        if method in ("hsd", "eagle", "ngram"):
-            from hsd_jax.tune import default_options
+        options = dict(options)
+        if options.pop("tuned", False):
+            from hsd_jax import tuning
 
-            options = dict(default_options(method), **options)
+            options = dict(tuning.tuned_options(method, target, drafter), **options)
         spec = engine.SpecConfig(method=method, **options)
-        if method == "ngram" and spec.tree_top_k > drafter.config.top_k:
-            raise InputError(f"tree_top_k {spec.tree_top_k} exceeds the n-gram table's {drafter.config.top_k} "
-                             "successors per token")
-    elif options:
-        raise InputError(f"unknown options for method 'ar': {', '.join(sorted(options))}")
+        m.check(drafter, spec)
+    elif set(options) - {"tuned"}:
+        raise InputError(f"unknown options for method 'ar': {', '.join(sorted(set(options) - {'tuned'}))}")
     ids = encode_prompts(target, prompts, chat)
     longest = max(len(p) for p in ids)
     slack = 0 if spec is None else spec.cache_slack
@@ -331,7 +308,7 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
                          + (f" + draft tree {slack}" if slack else "")
                          + f" exceeds the cache capacity max_cache_len={target.max_cache_len}")
     fits = round_up(longest, prompt_bucket) + max_new_tokens + slack <= target.max_cache_len
-    tokens, lengths = pad_prompts(ids, prompt_bucket if fits else 16)  # a bucket must not overflow the cache
+    tokens, lengths = pad_prompts(ids, prompt_bucket if fits else PROMPT_BUCKET)  # a bucket must not overflow the cache
     capacity = min(round_up(tokens.shape[1] + max_new_tokens + slack, 128), round_up(target.max_cache_len, 16))
     key = jax.random.key(seed)
     if spec is None:
@@ -339,7 +316,7 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         static = dict(cfg=target.config, sampling=sampling, max_new_tokens=int(max_new_tokens), capacity=capacity)
     else:
         tcfg = target.config
-        if method == "hsd" and drafter.config.feature_layers:
+        if getattr(drafter.config, "feature_layers", ()):  # the drafter reads these target layers' outputs
             tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
         d2t = np.zeros((1,), np.int32) if drafter.d2t is None else drafter.d2t
         fn, args = engine.spec_generate, (target.params, drafter.params, d2t, tokens, lengths, key)

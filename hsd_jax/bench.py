@@ -29,8 +29,11 @@ import platform
 import statistics
 from typing import Callable
 
-METHOD_NAMES = ("ar", "sd", "eagle", "hsd", "ngram", "hsd-noreuse", "hsd-refresh", "hsd-chain")
+from hsd_jax.api import PROMPT_BUCKET
+from hsd_jax.methods import METHODS, REGISTRY
+
 HSD_REUSE = {"hsd-noreuse": "none", "hsd-refresh": "refresh", "hsd-chain": "chain"}
+METHOD_NAMES = METHODS + tuple(HSD_REUSE)
 
 
 class BenchError(ValueError):
@@ -41,37 +44,41 @@ def method_spec(name: str) -> tuple[str, dict]:
     """(engine method, options) of a bench method name."""
     if name not in METHOD_NAMES:
         raise BenchError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")
-    if name.startswith("hsd"):
-        from hsd_jax.tune import default_reuse
-
-        return "hsd", {"reuse": HSD_REUSE.get(name) or default_reuse()}
+    if name in HSD_REUSE:
+        return "hsd", {"reuse": HSD_REUSE[name]}
     return name, {}
 
 
 def drafter_paths(items) -> dict[str, str]:
     """Repeated `--drafter KIND=PATH` flags as {kind: path}."""
-    from hsd_jax.api import DRAFTER_KINDS
-
     paths = {}
     for item in items:
         kind, _, path = item.partition("=")
-        if kind not in DRAFTER_KINDS or not path:
-            raise BenchError(f"--drafter expects KIND=PATH with KIND one of {', '.join(DRAFTER_KINDS)}, got {item!r}")
+        if kind not in REGISTRY or not path:
+            raise BenchError(f"--drafter expects KIND=PATH with KIND one of {', '.join(REGISTRY)}, got {item!r}")
         paths[kind] = path
     return paths
 
 
-def make_runner(target, name: str, drafter=None, *, tree: dict | None = None, gamma: int = 4,
-                temperature: float = 0.0, max_new_tokens: int = 128, seed: int = 0, mesh=None,
-                prompt_bucket: int = 16) -> Callable:
-    """A callable(batch of token-id prompts) -> list[GenerationResult] for one method."""
+def make_runner(target, name: str, drafter=None, *, options: dict | None = None, temperature: float = 0.0,
+                max_new_tokens: int = 128, seed: int = 0, mesh=None, prompt_bucket: int = PROMPT_BUCKET) -> Callable:
+    """A callable(batch of token-id prompts) -> list[GenerationResult] for one method.
+
+    options: speculative options for every method (tree_* for tree methods, gamma for chain
+    methods, tuned=True); each method takes the ones it reads."""
     from hsd_jax.api import generate
 
-    method, options = method_spec(name)
-    if method in ("eagle", "hsd", "ngram"):
-        options.update(tree or {})
-    elif method == "sd":
-        options["gamma"] = gamma
+    method, forced = method_spec(name)
+    options = dict(options or {})
+    if method == "ar":
+        options = {}
+    else:
+        drafts = REGISTRY[method].drafts
+        drop = {"gamma"} if drafts == "tree" else {"tree_nodes", "tree_depth", "tree_top_k"}
+        if method != "hsd":
+            drop.add("reuse")
+        options = {k: v for k, v in options.items() if k not in drop}
+        options.update(forced)
 
     def run(ids):
         return generate(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,

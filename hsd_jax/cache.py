@@ -83,3 +83,14 @@ def compact(cache: KVCache, src: jax.Array, counts: jax.Array) -> KVCache:
         return lax.scatter(arr, dst_slot[..., None], rows, sdims, mode=lax.GatherScatterMode.FILL_OR_DROP)
 
     return KVCache(move(cache.k), move(cache.v), cache.lengths + counts.astype(jnp.int32))
+
+
+def take_slots(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [B, T, ...] gathered along T at idx [B, M] (negative -> slot 0)."""
+    idx = jnp.maximum(idx, 0)
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def at_offset(cache: KVCache, offset) -> KVCache:
+    """The same cache with writes aimed `offset` slots past the committed length."""
+    return cache.replace(lengths=cache.lengths + offset)

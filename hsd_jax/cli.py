@@ -6,6 +6,11 @@ import json
 import os
 import sys
 
+from hsd_jax import methods
+from hsd_jax.bench import METHOD_NAMES
+from hsd_jax.config import SamplingConfig
+from hsd_jax.engine import REUSE_POLICIES, SpecConfig
+
 
 class UsageError(ValueError):
     """Invalid command-line input, reported as one line."""
@@ -24,23 +29,44 @@ def _add_generate(sub):
     p.add_argument("--max-cache-len", type=int, default=2048)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--attention-impl", choices=["auto", "pallas", "reference"], default="auto")
-    p.add_argument("--method", default="ar", choices=["ar", "sd", "eagle", "hsd", "ngram"],
-                   help="decoding method (ngram: the bigram-table floor)")
-    p.add_argument("--reuse", default=None, choices=["none", "chain", "refresh"],
+    p.add_argument("--method", default="ar", choices=list(methods.METHODS),
+                   help="; ".join(f"{name}: {m.summary}" for name, m in methods.REGISTRY.items()))
+    p.add_argument("--reuse", default=None, choices=list(REUSE_POLICIES),
                    help="hsd: after a rejection, recompute the chain (none), keep the stale chain (chain), or "
                         "re-anchor it on the verified features and keep the deeper states (refresh); "
-                        "default: what `hsd tune` measured fastest on this hardware, else refresh")
+                        f"default {SpecConfig.reuse}")
     p.add_argument("--drafter", default=None, help="drafter directory (written by hsd_jax.save_drafter)")
     p.add_argument("--random-drafter", action="store_true",
                    help="use an untrained random drafter (engine checks only: acceptance is low)")
-    p.add_argument("--tree-nodes", type=int, default=None,
-                   help="draft nodes per round, root excluded (default: the tuned tree for this hardware)")
-    p.add_argument("--tree-depth", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None, help="tree branching: children per expanded node")
-    p.add_argument("--gamma", type=int, default=4, help="sd: draft chain length")
+    _add_tree_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     _add_mesh_arg(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _add_tree_args(p):
+    p.add_argument("--tree-nodes", type=int, default=None,
+                   help=f"draft nodes per round, root excluded (default {SpecConfig.tree_nodes})")
+    p.add_argument("--tree-depth", type=int, default=None, help=f"default {SpecConfig.tree_depth}")
+    p.add_argument("--top-k", type=int, default=None,
+                   help=f"tree branching: children per expanded node (default {SpecConfig.tree_top_k})")
+    p.add_argument("--gamma", type=int, default=None, help=f"sd: draft chain length (default {SpecConfig.gamma})")
+    p.add_argument("--tuned", action="store_true",
+                   help="use the tree (and hsd reuse) `hsd tune` chose for this hardware, model and drafter; "
+                        "explicit tree flags still win")
+
+
+def _spec_options(a, method: str) -> dict:
+    """The speculative options given on the command line, checked now (before any model loads)
+    by the same `SpecConfig` that `generate` builds."""
+    given = {"tree_nodes": a.tree_nodes, "tree_depth": a.tree_depth, "tree_top_k": a.top_k, "gamma": a.gamma,
+             "reuse": getattr(a, "reuse", None)}
+    opts = {k: v for k, v in given.items() if v is not None}
+    if method != "ar":
+        SpecConfig(method=method, **opts)
+    if a.tuned:
+        opts["tuned"] = True
+    return opts
 
 
 def _add_mesh_arg(p):
@@ -57,44 +83,40 @@ def _mesh(a):
     return sharding.make_mesh(*sharding.parse_mesh(a.mesh))
 
 
-def _check_generate_args(a):
-    if not a.prompt.strip():
-        raise UsageError("--prompt is empty")
-    if a.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
-    if a.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {a.temperature}")
+def _check_model(model: str) -> None:
+    if model != "smollm2-135m" and not os.path.exists(model):
+        raise UsageError(f"unknown model {model!r}: use smollm2-135m, a .gguf file or a model directory")
+
+
+def _check_generate_args(a) -> dict:
+    """Everything checkable before the model loads, by the checks `generate` itself uses."""
+    from hsd_jax.api import check_request
+
+    check_request([a.prompt], a.max_new_tokens)
+    SamplingConfig(a.temperature, a.sampling_top_k, a.top_p)
     if a.max_cache_len < 1:
         raise UsageError(f"--max-cache-len must be >= 1, got {a.max_cache_len}")
-    if a.model != "smollm2-135m" and not os.path.exists(a.model):
-        raise UsageError(f"unknown model {a.model!r}: use smollm2-135m, a .gguf file or a model directory")
-    for name in ("tree_nodes", "tree_depth", "top_k", "gamma"):
-        if getattr(a, name) is not None and getattr(a, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    _check_model(a.model)
     if a.drafter is not None and not os.path.isdir(a.drafter):
         raise UsageError(f"drafter directory not found: {a.drafter}")
+    if a.method == "ar" and (a.drafter or a.tuned or a.reuse):
+        raise UsageError("--drafter, --tuned and --reuse need a speculative --method")
+    return _spec_options(a, a.method)
 
 
 def cmd_generate(a) -> int:
-    _check_generate_args(a)
+    options = _check_generate_args(a)
+    mesh = _mesh(a)
     from hsd_jax.api import generate, load_drafter, load_target
 
     target = load_target(a.model, dtype=a.dtype, max_cache_len=a.max_cache_len,
                          attention_impl=a.attention_impl)
-    drafter, options = None, {}
+    drafter = None
     if a.method != "ar":
         drafter = load_drafter(a.method, a.drafter, target=target, random_init=a.random_drafter)
-        if a.method == "sd":
-            options = dict(gamma=a.gamma)
-        else:
-            from hsd_jax.tune import tree_options
-
-            options = tree_options(a.tree_nodes, a.tree_depth, a.top_k)
-        if a.method == "hsd" and a.reuse is not None:
-            options["reuse"] = a.reuse
     res = generate(target, [a.prompt], max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                    top_k=a.sampling_top_k, top_p=a.top_p, seed=a.seed, chat=a.chat, method=a.method,
-                   drafter=drafter, mesh=_mesh(a), **options)[0]
+                   drafter=drafter, mesh=mesh, **options)[0]
     if a.json:
         s = res.stats
         print(json.dumps({"text": res.text, "new_tokens": s["new_tokens"], "token_ids": res.token_ids,
@@ -203,17 +225,14 @@ def _add_bench(sub):
     p = sub.add_parser("bench", help="methods side by side on a prompt suite: tau, tokens/s, speedup vs ar")
     p.add_argument("--suite", default="mt_bench", help="mt_bench|humaneval|gsm8k|alpaca|sum|qa|spec_bench|PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--methods", default="ar,sd,eagle,hsd", help="comma list of ar,sd,eagle,hsd,ngram,hsd-noreuse,hsd-refresh,hsd-chain "
-                   "(hsd: the tuned reuse policy; the others force none / refresh / chain)")
+    p.add_argument("--methods", default="ar,sd,eagle,hsd", help="comma list of " + ",".join(METHOD_NAMES) +
+                   " (hsd: the default or tuned reuse policy; hsd-noreuse/-refresh/-chain force none / refresh / chain)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--max-cache-len", type=int, default=2048)
-    p.add_argument("--tree-nodes", type=int, default=None)
-    p.add_argument("--tree-depth", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None, help="tree branching")
-    p.add_argument("--gamma", type=int, default=4)
+    _add_tree_args(p)
     p.add_argument("--drafter", action="append", default=[], metavar="KIND=PATH",
                    help="drafter directory per kind, e.g. hsd=runs/x/drafter (default: the shipped ones)")
     p.add_argument("--random-drafters", action="store_true", help="untrained drafters (engine checks only)")
@@ -225,8 +244,7 @@ def _add_bench(sub):
 
 
 def cmd_bench(a) -> int:
-    from hsd_jax.bench import (drafter_paths, format_table, machine_info, make_runner, method_spec, plot,
-                               run_bench)
+    from hsd_jax.bench import drafter_paths, format_table, machine_info, make_runner, method_spec, plot, run_bench
     from hsd_jax.prompts import load_suite
 
     names = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -243,12 +261,12 @@ def cmd_bench(a) -> int:
         raise UsageError(f"--temperature must be >= 0, got {a.temperature}")
     paths = drafter_paths(a.drafter)
     prompts = load_suite(a.suite, a.num_prompts)
-    from hsd_jax.api import load_drafter, load_target
-    from hsd_jax.tune import tree_options
-
+    _check_model(a.model)
+    given = _spec_options(a, "ar")
     mesh = _mesh(a)
+    from hsd_jax.api import load_drafter, load_target
+
     target = load_target(a.model, max_cache_len=a.max_cache_len)
-    tree = tree_options(a.tree_nodes, a.tree_depth, a.top_k)
     ids = [target.encode(p, chat=True) for p in prompts]
     runners = {}
     for name in names:
@@ -256,13 +274,13 @@ def cmd_bench(a) -> int:
         drafter = None
         if kind != "ar":
             drafter = load_drafter(kind, paths.get(kind), target=target, random_init=a.random_drafters)
-        runners[name] = make_runner(target, name, drafter, tree=tree, gamma=a.gamma, temperature=a.temperature,
+        runners[name] = make_runner(target, name, drafter, options=given, temperature=a.temperature,
                                     max_new_tokens=a.max_new_tokens, seed=a.seed, mesh=mesh)
-    methods = run_bench(runners, ids, batch_size=a.batch_size, temperature=a.temperature)
+    results = run_bench(runners, ids, batch_size=a.batch_size, temperature=a.temperature)
     result = {"suite": a.suite, "num_prompts": len(ids), "batch_size": a.batch_size, "temperature": a.temperature,
-              "max_new_tokens": a.max_new_tokens, "model": a.model, "tree": tree, "gamma": a.gamma,
-              "machine": machine_info(), "methods": methods}
-    print(format_table(methods))
+              "max_new_tokens": a.max_new_tokens, "model": a.model, "options": given,
+              "machine": machine_info(), "methods": results}
+    print(format_table(results))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -274,7 +292,7 @@ def cmd_bench(a) -> int:
 def _add_tune(sub):
     p = sub.add_parser("tune", help="measure this hardware and pick the draft tree that maximises tokens/s")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--method", default="hsd", choices=["hsd", "eagle"])
+    p.add_argument("--method", default="hsd", choices=list(methods.TREE_METHODS))
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
     p.add_argument("--num-prompts", type=int, default=8,
                    help="GSM8K-train prompts (never evaluation suites); the tree grid runs on half of them")
@@ -285,7 +303,8 @@ def _add_tune(sub):
 def cmd_tune(a) -> int:
     if a.num_prompts < 1 or a.max_new_tokens < 1:
         raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
-    from hsd_jax.api import load_drafter, load_target
+    _check_model(a.model)
+    from hsd_jax.api import PROMPT_BUCKET, load_drafter, load_target, round_up
     from hsd_jax.train.data import gsm8k_questions
     from hsd_jax.tune import tune
 
@@ -294,10 +313,10 @@ def cmd_tune(a) -> int:
     by_bucket: dict[int, list] = {}
     for q in gsm8k_questions():
         ids = target.encode(q, chat=True)
-        by_bucket.setdefault(-(-len(ids) // 16), []).append(ids)
+        by_bucket.setdefault(round_up(len(ids), PROMPT_BUCKET), []).append(ids)
     prompts = max(by_bucket.values(), key=len)[: a.num_prompts]  # one padded length: one compile per tree
     report = tune(target, drafter, prompts, max_new_tokens=a.max_new_tokens)
-    print(json.dumps({k: report[k] for k in ("hardware", "tree", "expected_tokens_per_s", "ar_tokens_per_s")}))
+    print(json.dumps({k: report[k] for k in ("hardware", "tree", "expected_tokens_per_s", "ar_tokens_per_s", "path")}))
     return 0
 
 
@@ -313,10 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from hsd_jax.api import InputError
-    from hsd_jax.config import ConfigError
-    from hsd_jax.loading.errors import ModelLoadError
     from hsd_jax.bench import BenchError
+    from hsd_jax.config import ConfigError, InputError
+    from hsd_jax.loading.errors import ModelLoadError
     from hsd_jax.prompts import SuiteError
     from hsd_jax.train.data import DataError
 

@@ -13,6 +13,10 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
+class InputError(ValueError):
+    """Bad user input to generate (empty prompt, too long for the cache, wrong drafter, ...)."""
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)

@@ -29,7 +29,8 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hsd_jax.config import ConfigError
 

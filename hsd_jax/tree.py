@@ -19,12 +19,14 @@ to accelerator-friendly ops: the ancestor mask is the transitive closure of
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from pallas_kernels.tree_attention import ancestor_mask as kernel_ancestor_mask
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -66,29 +68,10 @@ def positions(tree: Tree, base: jax.Array) -> jax.Array:
     return (jnp.asarray(base, jnp.int32)[:, None] + tree.depth).astype(jnp.int32)
 
 
-def tree_depth_count(tree: Tree) -> jax.Array:
-    """Deepest draft level actually present per sequence, int32 [B]."""
-    return jnp.max(tree.depth, axis=-1)
-
-
-# ---------------------------------------------------------------------------
-# Structure from parents (jnp, no gathers)
-# ---------------------------------------------------------------------------
-
-
 def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
-    """Ancestor-or-self mask bool [B, T, T] by repeated squaring of I + onehot(parent).
-
-    After k squarings the matrix covers ancestor chains of length <= 2**k, so
-    ``ceil(log2(max_depth))`` squarings suffice for trees of depth <= max_depth.
-    """
-    num_slots = parents.shape[-1]
-    idx = jnp.arange(num_slots, dtype=jnp.int32)
-    step = (parents[..., :, None] == idx) | (idx[:, None] == idx)
-    m = step.astype(jnp.float32)
-    for _ in range(max(max_depth - 1, 0).bit_length()):
-        m = (jnp.matmul(m, m, precision=_HI) > 0).astype(jnp.float32)
-    return m > 0
+    """Ancestor-or-self mask bool [B, T, T] (the one tree attention uses, `pallas_kernels`),
+    with ``ceil(log2(max_depth))`` squarings for trees of depth <= max_depth."""
+    return kernel_ancestor_mask(parents, max_depth)
 
 
 def _paths_from_mask(mask: jax.Array, depth: jax.Array, max_depth: int) -> jax.Array:
@@ -157,107 +140,6 @@ def chain_tree(draft_tokens: jax.Array, root_tokens: jax.Array, draft_scores: ja
     scores = jnp.concatenate([jnp.zeros((batch, 1), jnp.float32), draft_scores.astype(jnp.float32)], axis=1)
     parents = jnp.broadcast_to(jnp.arange(-1, depth, dtype=jnp.int32), (batch, depth + 1))
     return build_tree(tokens, parents, scores, depth)
-
-
-# ---------------------------------------------------------------------------
-# Static template (Medusa / EAGLE-1)
-# ---------------------------------------------------------------------------
-
-
-class Template(NamedTuple):
-    """Static tree topology (numpy, shape [T] unless noted).
-
-    parents, depth, rank: rank r = the r-th best candidate under its parent.
-    num_ranks: R = 1 + max rank; max_depth: D.
-    mask [T, T], paths [T, D+1], first_child, next_sibling: precomputed structure.
-    """
-
-    parents: np.ndarray
-    depth: np.ndarray
-    rank: np.ndarray
-    num_ranks: int
-    max_depth: int
-    mask: np.ndarray
-    paths: np.ndarray
-    first_child: np.ndarray
-    next_sibling: np.ndarray
-
-
-def template_tree(paths: Sequence[Sequence[int]]) -> Template:
-    """Static topology from child-rank paths, e.g. [(0,), (1,), (0, 0), (0, 1)].
-
-    Slots are ordered by depth, then lexicographically by path (so siblings by
-    rank, best first). Every prefix of a path must itself be a path.
-    """
-    norm = [tuple(int(r) for r in p) for p in paths]
-    if not norm:
-        raise ValueError("template_tree: need at least one path")
-    if any(len(p) == 0 for p in norm):
-        raise ValueError("template_tree: the root is implicit; paths must be non-empty")
-    if any(r < 0 for p in norm for r in p):
-        raise ValueError("template_tree: ranks must be >= 0")
-    if len(set(norm)) != len(norm):
-        raise ValueError("template_tree: duplicate paths")
-    present = set(norm)
-    missing = sorted({p[:k] for p in norm for k in range(1, len(p))} - present)
-    if missing:
-        raise ValueError(f"template_tree: missing ancestor paths {missing}")
-    order = sorted(norm, key=lambda p: (len(p), p))
-    slot_of = {(): 0, **{p: i + 1 for i, p in enumerate(order)}}
-    parents = np.array([-1] + [slot_of[p[:-1]] for p in order], np.int32)
-    depth = np.array([0] + [len(p) for p in order], np.int32)
-    rank = np.array([0] + [p[-1] for p in order], np.int32)
-    ref = reference_structure(parents, int(depth.max()))
-    return Template(
-        parents=parents,
-        depth=depth,
-        rank=rank,
-        num_ranks=int(rank.max()) + 1,
-        max_depth=int(depth.max()),
-        mask=ref["mask"],
-        paths=ref["paths"],
-        first_child=ref["first_child"],
-        next_sibling=ref["next_sibling"],
-    )
-
-
-def fill_template(
-    template: Template, child_tokens: jax.Array, child_logp: jax.Array, root_tokens: jax.Array
-) -> Tree:
-    """Fill a template with drafted tokens.
-
-    child_tokens / child_logp [B, T, R]: for every slot i, the top-R next tokens
-    (best first) and their log-probs from slot i's draft distribution. Node i
-    takes entry ``rank[i]`` of its parent's row; rows of leaves are ignored.
-    Drafting depth by depth, rows of depth < j fully determine the tokens up to
-    depth j, so the engine may call this after each depth. Scores are cumulative.
-    """
-    num_slots = template.parents.shape[0]
-    if child_tokens.shape[1:] != (num_slots, template.num_ranks) or child_logp.shape != child_tokens.shape:
-        raise ValueError(
-            f"fill_template: expected child_tokens/child_logp [B, {num_slots}, {template.num_ranks}], "
-            f"got {child_tokens.shape} and {child_logp.shape}"
-        )
-    batch = child_tokens.shape[0]
-    src = np.maximum(template.parents, 0)
-    tokens = child_tokens[:, src, template.rank].astype(jnp.int32)
-    tokens = tokens.at[:, 0].set(jnp.asarray(root_tokens, jnp.int32))
-    node_logp = child_logp[:, src, template.rank].astype(jnp.float32).at[:, 0].set(0.0)
-    scores = jnp.matmul(node_logp[:, None, :], jnp.asarray(template.mask.T, jnp.float32), precision=_HI)[:, 0]
-
-    def bcast(a: np.ndarray) -> jax.Array:
-        return jnp.broadcast_to(jnp.asarray(a), (batch,) + a.shape)
-
-    return Tree(
-        tokens=tokens,
-        parents=bcast(template.parents),
-        depth=bcast(template.depth),
-        scores=scores,
-        mask=bcast(template.mask),
-        paths=bcast(template.paths),
-        first_child=bcast(template.first_child),
-        next_sibling=bcast(template.next_sibling),
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -383,6 +265,38 @@ def dynamic_tree(
     parents = jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), parent_slot], axis=1)
     scores = jnp.concatenate([jnp.zeros((batch, 1), jnp.float32), sel_scores], axis=1)
     return build_tree(tokens, parents, scores, n_depths)
+
+
+def topk_draft(logits: jax.Array, d2t: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k draft tokens (target ids via the draft-vocab map d2t) and their log-probs from
+    draft-vocab logits [..., V_d]."""
+    logp = jax.nn.log_softmax(logits, -1)
+    vals, idx = jax.lax.top_k(logp, k)
+    return jnp.take(d2t, idx), vals
+
+
+def grow_tree(first, children, root_tokens: jax.Array, spec, root_context: jax.Array | None = None) -> Tree:
+    """A dynamic tree from top-k drafts: `first` = (tokens, log-probs) [B, k] at depth 1 and
+    `children(j, frontier_tokens, frontier_context)` -> the same [B, F, k] for the children at
+    depth j+1 (spec: tree_depth, tree_top_k, slots). With `root_context` [B, n] (the committed
+    tokens before the root, most recent first), frontier_context [B, F, n] holds each frontier
+    node's path tokens before it; otherwise it is None."""
+    k = spec.tree_top_k
+    depth_tokens, depth_scores, depth_parents = [first[0]], [first[1]], [jnp.full_like(first[0], -1)]
+    ctx = None
+    if root_context is not None:  # the path before each depth-1 candidate: root, then the root's context
+        path = jnp.concatenate([root_tokens[:, None], root_context[:, :-1]], 1)
+        ctx = jnp.broadcast_to(path[:, None], first[0].shape + path.shape[-1:])
+    for j in range(1, spec.tree_depth):
+        fidx, ftok, fscore = expand_frontier(depth_tokens[-1], depth_scores[-1], k)
+        fctx = None if ctx is None else jnp.take_along_axis(ctx, fidx[..., None], 1)
+        ctok, clogp = children(j, ftok, fctx)
+        t, s, par = child_candidates(fscore, clogp, ctok, frontier_idx=fidx)
+        if ctx is not None:  # a child's path before it: its parent, then the parent's path
+            path = jnp.concatenate([ftok[..., None], fctx[..., :-1]], -1)
+            ctx = jnp.repeat(path, ctok.shape[-1], axis=1)
+        depth_tokens.append(t), depth_scores.append(s), depth_parents.append(par)
+    return dynamic_tree(depth_tokens, depth_scores, depth_parents, root_tokens, spec.slots)
 
 
 # ---------------------------------------------------------------------------

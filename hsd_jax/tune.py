@@ -1,76 +1,19 @@
-"""Hardware-aware draft-tree budget: `hsd tune` measures, `generate` and `bench` read the result.
+"""Hardware-aware draft-tree budget: `hsd tune` measures; `generate(..., tuned=True)` reads the result.
 
 Verification cost grows with the number of tree nodes at a rate that depends on the hardware
 (compute-bound on a 2-core CPU, nearly flat up to ~64 nodes on accelerators), so the tree that
 maximises tokens/s differs per machine. `tune` measures the target's verify cost for N new
 tokens, then runs a grid of (nodes, depth, top-k) on training prompts (never the evaluation
-suites) with the real drafter and picks the fastest; the choice is stored per hardware key in
-`hsd_jax/tuned/<key>.json`.
+suites) with the real drafter and picks the fastest; the choice is stored per hardware, target
+and drafter in the user cache folder (`hsd_jax.tuning`).
 """
 from __future__ import annotations
 
-import json
-import os
-import re
 import statistics
 import time
 
-TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
-DEFAULT_TREES = {
-    "cpu": dict(tree_nodes=8, tree_depth=4, tree_top_k=3),
-    "gpu": dict(tree_nodes=48, tree_depth=6, tree_top_k=8),
-    "tpu": dict(tree_nodes=48, tree_depth=6, tree_top_k=8),
-}
-
-
-def hardware_key() -> str:
-    """e.g. `cpu-2cores`, `gpu-nvidia-h200`, `tpu-tpu-v5-lite`."""
-    import jax
-
-    backend = jax.default_backend()
-    if backend == "cpu":
-        return f"cpu-{os.cpu_count()}cores"
-    kind = getattr(jax.devices()[0], "device_kind", backend)
-    return f"{backend}-" + re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-")
-
-
-def load_tuned(key: str | None = None) -> dict | None:
-    path = os.path.join(TUNED_DIR, f"{key or hardware_key()}.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def default_options(method: str) -> dict:
-    """Tree (and for `hsd` the reuse policy) defaults for this hardware from one read of the tuned
-    file; without one, the backend's default tree and reuse `refresh`."""
-    import jax
-
-    tuned = load_tuned()
-    opts = dict(tuned["tree"]) if tuned else dict(DEFAULT_TREES.get(jax.default_backend(), DEFAULT_TREES["gpu"]))
-    if method == "hsd":
-        opts["reuse"] = tuned.get("reuse", "refresh") if tuned else "refresh"
-    return opts
-
-
-def default_tree() -> dict:
-    """The tuned tree for this hardware, else the backend's default."""
-    return default_options("tree")
-
-
-def default_reuse() -> str:
-    """The HSD reuse policy `hsd tune` measured fastest on this hardware, else `refresh`."""
-    return default_options("hsd")["reuse"]
-
-
-def tree_options(nodes: int | None = None, depth: int | None = None, top_k: int | None = None) -> dict:
-    """Tree options with anything not given taken from `default_tree()`."""
-    tree = default_tree()
-    for name, v in (("tree_nodes", nodes), ("tree_depth", depth), ("tree_top_k", top_k)):
-        if v is not None:
-            tree[name] = int(v)
-    return tree
+from hsd_jax.engine import REUSE_POLICIES
+from hsd_jax.tuning import hardware_key, save_tuned
 
 
 def verify_cost_curve(target, sizes=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64), context: int = 256,
@@ -82,13 +25,14 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64), con
 
     from hsd_jax.cache import init_cache
     from hsd_jax.models import llama
+    from hsd_jax.models.layers import jnp_dtype
 
     cfg = target.config
     fwd = jax.jit(llama.forward, static_argnums=1)
     out = {}
     for n in sizes:
         cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + n + 64, cfg.head_dim,
-                           jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32)
+                           jnp_dtype(cfg))
         cache = cache.replace(lengths=jnp.array([context], jnp.int32))
         toks = jnp.ones((1, n), jnp.int32)
         parents = jnp.asarray(np.arange(n)[None] - 1, jnp.int32)
@@ -158,14 +102,14 @@ def _summary(runs: list[tuple], ar_runs: list[tuple] | None = None) -> dict:
 def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None = None, max_new_tokens: int = 64,
          finalists: int = 4, curve: dict[int, float] | None = None, tuned_dir: str | None = None,
          log=print) -> dict:
-    """Pick the tree (and for HSD the reuse policy) with the most tokens/s at batch 1; write
-    `hsd_jax/tuned/<hardware>.json`; returns the report.
+    """Pick the tree (and for HSD the reuse policy) with the most tokens/s at batch 1, store it
+    for this hardware, target and drafter (`hsd_jax.tuning`); returns the report.
 
     Stage 1 runs every tree of the grid on the first half of `prompts` (at least 2); stage 2
     reruns the `finalists` fastest trees (x every reuse policy for HSD) interleaved with ar on
     all `prompts`, and the median speedup over prompts decides. `curve`: a verify-cost curve
     already measured (`verify_cost_curve`), else it is measured first. `tuned_dir`: where the
-    result goes (default `TUNED_DIR`, read by `generate`)."""
+    result goes (default: `tuning.cache_dir()`, where `generate(..., tuned=True)` looks)."""
     curve = curve or verify_cost_curve(target)
     log("verify cost (ms) by new tokens: " + ", ".join(f"{n}:{ms:.1f}" for n, ms in curve.items()))
     max_nodes = max(n for n, ms in curve.items() if ms <= 3 * curve[1]) - 1
@@ -181,8 +125,6 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
     by_depth = acceptance_by_depth(target, drafter, prompts, max_new_tokens)
     log(f"acceptance by depth along the top-1 chain (all {len(prompts)} prompts): {by_depth}")
     top = [{k: r[k] for k in keys} for r in sorted(rows, key=lambda r: -r["tokens_per_s"])[:finalists]]
-    from hsd_jax.engine import REUSE_POLICIES
-
     policies = REUSE_POLICIES if drafter.kind == "hsd" else (None,)
     variants = {"ar": {}}
     for tree in top:
@@ -199,13 +141,11 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
     report = {"hardware": hardware_key(), "tree": {k: choice[k] for k in keys},
               "expected_tokens_per_s": final[best]["tokens_per_s"], "ar_tokens_per_s": final["ar"]["tokens_per_s"],
               "expected_speedup": final[best]["speedup_vs_ar"], "verify_cost_ms": curve, "grid": rows,
-              "finalists": final, "acceptance_by_depth": by_depth, "drafter": drafter.path, "method": drafter.kind, "num_prompts": len(prompts),
+              "finalists": final, "acceptance_by_depth": by_depth, "method": drafter.kind, "num_prompts": len(prompts),
               "max_new_tokens": max_new_tokens}
     if "reuse" in choice:
         report["reuse"] = choice["reuse"]
-    os.makedirs(tuned_dir or TUNED_DIR, exist_ok=True)
-    with open(os.path.join(tuned_dir or TUNED_DIR, f"{report['hardware']}.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    report["path"] = save_tuned(report, target, drafter, tuned_dir)
     log(f"best: {best} at {final[best]['tokens_per_s']:.1f} tok/s vs ar {final['ar']['tokens_per_s']:.1f} tok/s "
         f"({final[best]['speedup_vs_ar']:.2f}x), tau {final[best]['tau']:.2f}")
     return report

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hsd_jax.sampling import sample_from_probs, target_probs
 from hsd_jax.tree import Tree, greedy_walk
 
 
@@ -33,10 +34,6 @@ def accept_greedy(tree: Tree, target_logits: jax.Array) -> Accepted:
     target_tokens = jnp.argmax(target_logits, -1).astype(jnp.int32)
     m, path, last = greedy_walk(tree, target_tokens)
     return Accepted(m, path, jnp.take_along_axis(target_tokens, last[:, None], -1)[:, 0])
-
-
-def _draw(p, key):
-    return jax.random.categorical(key, jnp.log(jnp.maximum(p, 0.0)), axis=-1).astype(jnp.int32)
 
 
 def _accept_tree_one(tokens, first_child, next_sibling, probs, key, max_depth):
@@ -62,7 +59,7 @@ def _accept_tree_one(tokens, first_child, next_sibling, probs, key, max_depth):
     path = jnp.full((max_depth + 1,), -1, jnp.int32).at[0].set(0)
     init = (jnp.int32(0), first_child[0], probs[0], jnp.int32(0), path, key, jnp.bool_(False))
     _, _, p, m, path, key, _ = jax.lax.while_loop(cond, body, init)
-    return m, path, _draw(p, key)
+    return m, path, sample_from_probs(p, key)
 
 
 def accept_tree_stochastic(tree: Tree, target_probs: jax.Array, key: jax.Array) -> Accepted:
@@ -89,7 +86,27 @@ def accept_chain_stochastic(draft_tokens: jax.Array, draft_probs: jax.Array, tar
     q_m = jnp.where((m < g)[:, None], draft_probs[idx, jnp.minimum(m, g - 1)], 0.0)
     residual = jnp.maximum(p_m - q_m, 0.0)
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_m)
-    token = _draw(residual, k_res)
+    token = sample_from_probs(residual, k_res)
     steps = jnp.arange(g + 1)[None, :]
     path = jnp.where(steps <= m[:, None], steps, -1).astype(jnp.int32)
     return Accepted(m.astype(jnp.int32), path, token)
+
+
+def accept(tree: Tree, logits: jax.Array, key: jax.Array, sampling, chain=None) -> Accepted:
+    """Greedy (T = 0) or lossless stochastic acceptance of a verified tree; `chain` =
+    (tokens [B, G], q [B, G, V]) for a chain sampled from a draft distribution (SD)."""
+    if sampling.greedy:
+        return accept_greedy(tree, logits)
+    p = target_probs(logits, sampling)
+    if chain is not None:
+        return accept_chain_stochastic(chain[0], chain[1], p, key)
+    return accept_tree_stochastic(tree, p, key)
+
+
+def emitted_tokens(tree: Tree, acc: Accepted) -> jax.Array:
+    """Tokens a round commits [B, D+1]: the accepted draft tokens, then the bonus/correction."""
+    d = acc.path.shape[1] - 1
+    drafted = jnp.take_along_axis(tree.tokens, jnp.maximum(acc.path[:, 1:], 0), axis=1)
+    i = jnp.arange(d + 1)[None, :]
+    drafted = jnp.concatenate([drafted, jnp.zeros_like(drafted[:, :1])], 1)
+    return jnp.where(i == acc.num_accepted[:, None], acc.token[:, None], drafted)

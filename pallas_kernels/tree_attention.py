@@ -66,18 +66,20 @@ def _closure_steps(n: int) -> int:
     return max(n - 2, 0).bit_length()
 
 
-def ancestor_mask(parents: jax.Array) -> jax.Array:
+def ancestor_mask(parents: jax.Array, max_depth: int | None = None) -> jax.Array:
     """Ancestor-or-self mask [B, N, N] (mask[b, i, a]) from parents [B, N].
 
     Gather-free: transitive closure of I + onehot(parent) by repeated squaring
-    (matmul + compare), ceil(log2(N - 1)) steps.
+    (matmul + compare): ceil(log2(max_depth)) steps when the tree depth is known,
+    else ceil(log2(N - 1)).
     """
     n = parents.shape[-1]
     ids = jnp.arange(n, dtype=jnp.int32)
     reach = (parents.astype(jnp.int32)[..., :, None] == ids) | (ids[:, None] == ids)
-    for _ in range(_closure_steps(n)):
+    steps = _closure_steps(n) if max_depth is None else max(max_depth - 1, 0).bit_length()
+    for _ in range(steps):
         r = reach.astype(jnp.float32)
-        reach = jnp.einsum("...ij,...jk->...ik", r, r) > 0.5
+        reach = jnp.einsum("...ij,...jk->...ik", r, r, precision=jax.lax.Precision.HIGHEST) > 0.5
     return reach
 
 

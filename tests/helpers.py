@@ -95,3 +95,21 @@ def bigram_target():
     params = zero_layers(tgt.params)
     tgt.params = dict(params, lm_head={"kernel": 30.0 * params["lm_head"]["kernel"]})
     return tgt
+
+
+def run_cli(*args):
+    """`hsd ARGS` in this process (no interpreter start, no second JAX import): a
+    CompletedProcess-like object with returncode, stdout and stderr."""
+    import contextlib
+    import io
+    import subprocess
+
+    from hsd_jax.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse usage errors
+            code = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())

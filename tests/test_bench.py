@@ -1,14 +1,12 @@
 """hsd bench: schema and sane values on a tiny model, detection of non-identical outputs, suite errors."""
 import json
-import subprocess
-import sys
 
 import pytest
 
 from hsd_jax import load_drafter
 from hsd_jax.bench import format_table, make_runner, run_bench
 from hsd_jax.prompts import SuiteError, load_suite
-from tests.helpers import tiny_target
+from tests.helpers import run_cli, tiny_target
 
 KEYS = {"tau", "tokens_per_s", "speedup_vs_ar", "identical_to_ar", "drafter_forwards_per_token", "accepted_hist"}
 
@@ -24,8 +22,8 @@ def test_bench_schema_and_values(tiny):
     runners = {"ar": make_runner(tiny, "ar", max_new_tokens=16)}
     for name in ("sd", "eagle", "hsd-refresh", "hsd-noreuse"):
         kind = name.split("-")[0]
-        runners[name] = make_runner(tiny, name, load_drafter(kind, target=tiny, random_init=True), tree=tree,
-                                    gamma=3, max_new_tokens=16)
+        runners[name] = make_runner(tiny, name, load_drafter(kind, target=tiny, random_init=True),
+                                    options=dict(tree, gamma=3), max_new_tokens=16)
     out = run_bench(runners, prompts, batch_size=1, progress=False)
     assert set(out) == set(runners)
     for name, m in out.items():
@@ -61,21 +59,18 @@ def test_suite_with_bad_line_is_rejected_with_line_number(tmp_path):
     with pytest.raises(SuiteError, match=r"suite.jsonl:2: not valid JSON"):
         load_suite(str(p))
     assert load_suite("mt_bench", 3)[0].startswith("Compose an engaging travel blog post")
-    r = subprocess.run([sys.executable, "-m", "hsd_jax", "bench", "--suite", str(p), "--methods", "ar"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli("bench", "--suite", str(p), "--methods", "ar")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error:") and ":2:" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "hsd_jax", "bench", "--methods", "ar,medusa"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli("bench", "--methods", "ar,medusa")
     assert r.returncode == 2 and "unknown method 'medusa'" in r.stderr
 
 
 def test_bench_cli_writes_json_and_plot(tmp_path):
     out, fig = tmp_path / "b.json", tmp_path / "b.png"
-    r = subprocess.run([sys.executable, "-m", "hsd_jax", "bench", "--suite", "gsm8k", "--num-prompts", "1",
+    r = run_cli("bench", "--suite", "gsm8k", "--num-prompts", "1",
                         "--methods", "ar,hsd", "--random-drafters", "--max-new-tokens", "6", "--json", str(out),
-                        "--plot", str(fig), "--tree-nodes", "4", "--tree-depth", "2", "--top-k", "2"],
-                       capture_output=True, text=True, timeout=600)
+                        "--plot", str(fig), "--tree-nodes", "4", "--tree-depth", "2", "--top-k", "2")
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
-    assert res["methods"]["hsd"]["identical_to_ar"] is True and res["tree"]["tree_nodes"] == 4
+    assert res["methods"]["hsd"]["identical_to_ar"] is True and res["options"]["tree_nodes"] == 4
     assert fig.stat().st_size > 10_000

@@ -1,20 +1,18 @@
 """Loader errors and the `hsd` command line: bad input is one clear line and exit status 2."""
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from hsd_jax.api import load_target
-from hsd_jax.loading.errors import ModelLoadError
 from hsd_jax.loading.convert import expected_shapes
+from hsd_jax.loading.errors import ModelLoadError
 from hsd_jax.loading.hf import hf_config
+from tests.helpers import run_cli
 
 
-def _hsd(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "hsd_jax", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def _hsd(*args):
+    return run_cli(*args)
 
 
 def test_missing_paths_are_clear_errors(tmp_path):
@@ -62,9 +60,13 @@ def test_bad_config_values_are_refused():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--prompt", "   "], "--prompt is empty"),
-    (["--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens"),
-    (["--prompt", "hi", "--temperature", "-0.5"], "--temperature"),
+    (["--prompt", "   "], "prompt 0 is empty"),
+    (["--prompt", "hi", "--max-new-tokens", "-3"], "max_new_tokens must be >= 1"),
+    (["--prompt", "hi", "--temperature", "-0.5"], "temperature must be >= 0"),
+    (["--prompt", "hi", "--method", "hsd", "--tree-nodes", "0"], "tree_nodes must be >= 1"),
+    (["--prompt", "hi", "--method", "hsd", "--tree-nodes", "40", "--tree-depth", "2", "--top-k", "2"],
+     "exceeds the 6 candidates"),
+    (["--prompt", "hi", "--drafter", "."], "need a speculative --method"),
     (["--prompt", "hi", "--model", "no-such-model"], "unknown model"),
     (["--prompt", "hi", "--mesh", "2"], "DATAxMODEL"),
     (["--prompt", "hi", "--mesh", "1x2"], "needs 2 devices"),

@@ -1,14 +1,12 @@
 """The n-gram floor drafter: bigram counting, fallback rows, building it from data with the CLI."""
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from hsd_jax.config import ConfigError
 from hsd_jax.models.ngram import NgramConfig, bigram_table
-from tests.helpers import save_hf_dir, tiny_target
+from tests.helpers import run_cli, save_hf_dir, tiny_target
 
 
 def test_bigram_table_counts_response_successors():
@@ -50,9 +48,9 @@ def test_hsd_data_ngram_builds_a_loadable_drafter(tmp_path):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 64, size=6).tolist() for _ in range(40)]
     generate_data(tiny, prompts, str(tmp_path / "data"), batch_size=20, max_new_tokens=16, progress=False)
-    cmd = [sys.executable, "-m", "hsd_jax", "data", "ngram", "--model", str(model), "--data", str(tmp_path / "data"),
+    cmd = ["data", "ngram", "--model", str(model), "--data", str(tmp_path / "data"),
            "--out", str(tmp_path / "ngram"), "--top-k", "3"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = run_cli(*cmd)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["pairs"] == 40 * 16
@@ -68,8 +66,7 @@ def test_hsd_data_ngram_builds_a_loadable_drafter(tmp_path):
     rand = generate(tiny, prompts[:3], max_new_tokens=24, method="ngram", tree_nodes=6, tree_depth=3, tree_top_k=2,
                     drafter=load_drafter("ngram", target=tiny, random_init=True, top_k=3))
     assert sum(x.stats["rounds"] for x in res) < sum(x.stats["rounds"] for x in rand)
-    bad = subprocess.run(cmd[:7] + ["--data", str(tmp_path / "none"), "--out", str(tmp_path / "x")], capture_output=True,
-                         text=True, timeout=300)
+    bad = run_cli(*cmd[:4], "--data", str(tmp_path / "none"), "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: no training data in")
 
 

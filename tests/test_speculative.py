@@ -142,8 +142,12 @@ def test_chain_reuse_runs_fewer_drafter_steps(tiny, drafters):
     assert [r.token_ids for r in none] == [r.token_ids for r in chain]
 
 
-def _exact_marginals(tgt, prompt, n_pos, temperature):
+def _exact_marginals(tgt, prompt, n_pos, temperature, top_k=0, top_p=1.0):
     """Exact distribution of each of the first n_pos sampled tokens, by enumerating prefixes."""
+    from hsd_jax.config import SamplingConfig
+    from hsd_jax.sampling import target_probs
+
+    sampling = SamplingConfig(temperature, top_k, top_p)
     v = tgt.config.vocab_size
     marg = np.zeros((n_pos, v))
     probs = {(): 1.0}
@@ -151,7 +155,7 @@ def _exact_marginals(tgt, prompt, n_pos, temperature):
         nxt = {}
         prefixes = list(probs)
         logits = jax_logits(tgt.params, tgt.config, [prompt + list(p) for p in prefixes])[:, -1]
-        dist = np.asarray(jax.nn.softmax(jnp.asarray(logits) / temperature, -1), np.float64)
+        dist = np.asarray(target_probs(jnp.asarray(logits), sampling), np.float64)
         for p, row in zip(prefixes, dist):
             for t in range(v):
                 nxt[p + (t,)] = probs[p] * row[t]
@@ -182,6 +186,30 @@ def test_sampling_preserves_target_distribution(method, opts):
         assert chi2 < CHI2_CRIT_7DOF, (pos, chi2, observed, expected.round(1))
 
 
+@pytest.mark.parametrize("method, opts, trunc", [("hsd", {}, dict(top_k=3)), ("eagle", {}, dict(top_p=0.8)),
+                                                 ("sd", {}, dict(top_k=4, top_p=0.9))])
+def test_sampling_with_top_k_top_p_preserves_the_truncated_distribution(method, opts, trunc):
+    """Speculative acceptance against the target's top-k / top-p distribution: samples follow it
+    exactly (tokens outside it never appear), with draft trees and sampled SD chains."""
+    from scipy.stats import chi2 as chi2_dist
+
+    tgt = tiny_target(vocab=8, hidden=16, heads=2, kv_heads=1, seed=4, max_cache_len=64)
+    prompt, n_samples, n_pos, temp = [1, 5, 2], 3000, 2, 1.0
+    exact = _exact_marginals(tgt, prompt, n_pos, temp, **trunc)
+    dr = load_drafter(method, target=tgt, random_init=True, seed=2)
+    shape = dict(gamma=2) if method == "sd" else dict(tree_nodes=5, tree_depth=2, tree_top_k=3)
+    res = generate(tgt, [prompt] * n_samples, max_new_tokens=n_pos, temperature=temp, seed=7, method=method,
+                   drafter=dr, top_k=trunc.get("top_k", 0), top_p=trunc.get("top_p", 1.0), **opts, **shape)
+    toks = np.array([r.token_ids for r in res])
+    for pos in range(n_pos):
+        observed = np.bincount(toks[:, pos], minlength=8)
+        expected = exact[pos] * n_samples
+        support = expected > 1e-9
+        assert observed[~support].sum() == 0 and support.sum() < 8, (pos, observed, expected.round(1))
+        chi2 = ((observed[support] - expected[support]) ** 2 / expected[support]).sum()
+        assert chi2 < chi2_dist.ppf(1 - 1e-3, support.sum() - 1), (pos, chi2, observed, expected.round(1))
+
+
 def test_mismatched_drafter_is_refused(tiny):
     other = tiny_target(hidden=48, heads=4, kv_heads=2)
     d = load_drafter("hsd", target=other, random_init=True)
@@ -194,6 +222,8 @@ def test_mismatched_drafter_is_refused(tiny):
 
 
 def test_bad_speculative_input_is_refused(tiny, drafters):
+    from hsd_jax.loading.errors import ModelLoadError
+
     with pytest.raises(InputError, match="needs a drafter"):
         generate(tiny, [[1, 2]], method="hsd")
     with pytest.raises(InputError, match="needs a 'hsd' drafter"):
@@ -205,7 +235,7 @@ def test_bad_speculative_input_is_refused(tiny, drafters):
         generate(tiny, [[1, 2]], method="hsd", drafter=drafters["hsd"], tree_nodes=40, tree_depth=2, tree_top_k=2)
     with pytest.raises(InputError, match="unknown options"):
         generate(tiny, [[1, 2]], method="hsd", drafter=drafters["hsd"], tree_width=3)
-    with pytest.raises(Exception, match="random_init=True"):
+    with pytest.raises(ModelLoadError, match="random_init=True"):
         load_drafter("hsd", target=tiny)
 
 
@@ -226,9 +256,21 @@ def test_drafter_save_load_round_trip(tmp_path, tiny, drafters):
         load_drafter("hsd", str(tmp_path), target=tiny)
 
 
-def test_cache_slack_covers_eagle_drafter_scratch():
+@pytest.mark.parametrize("method, tree", [("eagle", dict(tree_nodes=10, tree_depth=6, tree_top_k=6)),
+                                          ("hsd", dict(tree_nodes=10, tree_depth=4, tree_top_k=4))])
+def test_runs_at_the_cache_limit_stay_lossless(method, tree):
+    """A request that fills the cache exactly (prompt + new tokens + the round's slack, eagle's
+    drafter scratch included) runs and matches ar; one token more is refused."""
     from hsd_jax.engine import SpecConfig
 
-    spec = SpecConfig(method="eagle", tree_nodes=10, tree_depth=6, tree_top_k=6)
-    assert spec.cache_slack == 5 * 6 > spec.slots + spec.depth + 1
-    assert SpecConfig(method="hsd", tree_nodes=10, tree_depth=4, tree_top_k=4).cache_slack == 11 + 4 + 1
+    tgt = tiny_target(vocab=64, max_cache_len=96)
+    slack = SpecConfig(method=method, **tree).cache_slack
+    if method == "eagle":
+        assert slack == (tree["tree_depth"] - 1) * tree["tree_top_k"] > tree["tree_nodes"] + 1 + tree["tree_depth"] + 1
+    new = 24
+    prompt = list(np.random.default_rng(0).integers(0, 64, 96 - new - slack))
+    d = load_drafter(method, target=tgt, random_init=True)
+    ref = generate(tgt, [prompt], max_new_tokens=new)[0].token_ids
+    assert generate(tgt, [prompt], max_new_tokens=new, method=method, drafter=d, **tree)[0].token_ids == ref
+    with pytest.raises(InputError, match="exceeds the cache capacity"):
+        generate(tgt, [prompt + [1]], max_new_tokens=new, method=method, drafter=d, **tree)

@@ -1,11 +1,10 @@
 """Every speculative method reproduces SmolLM2's greedy output on real prompts (random drafters)."""
 import json
-import subprocess
-import sys
 
 import pytest
 
 from hsd_jax import generate, load_drafter
+from tests.helpers import run_cli
 
 CASES = [("hsd", dict(reuse="chain")), ("hsd", dict(reuse="none")), ("hsd", dict(reuse="refresh")),
          ("eagle", {}), ("sd", {})]
@@ -30,14 +29,12 @@ def test_smollm2_speculative_greedy_equals_ar(smol, smol_prompts, smol_ar, metho
 
 
 def test_cli_speculative_json_and_missing_drafter(tmp_path):
-    cmd = [sys.executable, "-m", "hsd_jax", "generate", "--prompt", "Name three primary colors.", "--chat",
-           "--max-new-tokens", "8", "--method", "hsd"]
-    r = subprocess.run(cmd + ["--drafter", str(tmp_path / "none")], capture_output=True, text=True, timeout=300)
+    cmd = ["generate", "--prompt", "Name three primary colors.", "--chat", "--max-new-tokens", "8", "--method", "hsd"]
+    r = run_cli(*cmd, "--drafter", str(tmp_path / "none"))
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: drafter directory not found: {tmp_path / 'none'}"]
-    r = subprocess.run(cmd + ["--drafter", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    r = run_cli(*cmd, "--drafter", str(tmp_path))
     assert r.returncode == 2 and "not a drafter directory" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = subprocess.run(cmd + ["--random-drafter", "--reuse", "none", "--json"], capture_output=True, text=True,
-                       timeout=300)
+    r = run_cli(*cmd, "--random-drafter", "--reuse", "none", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["method"] == "hsd" and out["target_forwards"] >= 1 and out["drafter_forwards"] >= 1

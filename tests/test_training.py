@@ -13,7 +13,7 @@ import pytest
 from hsd_jax.config import ConfigError
 from hsd_jax.train.data import DataError, generate_data
 from hsd_jax.train.trainer import TrainConfig, train
-from tests.helpers import save_hf_dir, tiny_target
+from tests.helpers import run_cli, save_hf_dir, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,44 @@ def test_chain_diagnostics_tell_a_copying_chain_from_a_working_one(tiny):
     working = report(d.params)
     assert all(abs(r - 1.0) > 1e-3 for r in working["feature_error_vs_copy"])
     assert working["heldout_chains"] == copying["heldout_chains"] > 0
+
+
+def test_soft_labels_are_the_target_distribution_over_the_draft_vocab(tiny):
+    """A chain that reproduces the next feature exactly and a read-out equal to the target's head
+    leave only the target distribution's own entropy as the soft-label loss (KL 0), at every step;
+    with hard labels the same drafter pays the data token's surprisal instead."""
+    import jax.numpy as jnp
+
+    from hsd_jax import load_drafter
+    from hsd_jax.models import drafter as dmod
+    from hsd_jax.models.layers import rms_norm
+    from hsd_jax.train import losses
+    from tests.helpers import zero_layers
+
+    d = load_drafter("hsd", target=tiny, random_init=True)
+    params = zero_layers(d.params)   # g = z: with constant features the chain is exact
+    view = dmod.target_view(tiny.params, tiny.config, d.d2t)
+    t2d = jnp.arange(64, dtype=jnp.int32)
+    rng = np.random.default_rng(1)
+    b, w = 2, 12
+    f = rng.normal(size=(32,)).astype(np.float32) * 3
+    batch = losses.Batch(jnp.asarray(rng.integers(0, 64, (b, w)), jnp.int32), jnp.asarray(np.broadcast_to(f, (b, w, 32))),
+                         jnp.asarray(np.arange(w)[None].repeat(b, 0) < w - 2), jnp.ones((b, w), bool))
+    logits = np.asarray(rms_norm(jnp.asarray(f), view.norm_scale, 1e-5) @ view.head, np.float64)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    entropy = -(p * np.log(p)).sum()
+    kw = dict(steps=3, ce_positions=6)
+    soft = losses.LossWeights(feature=0.0, ce=1.0, soft_labels=True)
+    total, m = losses.drafter_loss(params, d.config, view, t2d, batch, jax.random.key(0), weights=soft, **kw)
+    for k in (1, 2, 3):
+        assert float(m[f"ce_{k}"]) == pytest.approx(entropy, rel=1e-4)
+        assert float(m[f"feat_{k}"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(total) == pytest.approx(entropy * (1 + 0.8 + 0.64), rel=1e-4)
+    hard = losses.LossWeights(feature=0.0, ce=1.0)
+    _, mh = losses.drafter_loss(params, d.config, view, t2d, batch, jax.random.key(0), weights=hard, **kw)
+    assert float(mh["ce_1"]) != pytest.approx(entropy, rel=1e-2)
+    assert float(mh["ce_1"]) > -np.log(p.max()) - 1e-4   # a label's surprisal is at least the mode's
 
 
 def test_readout_context_sees_the_path_tokens(tiny):
@@ -213,6 +251,8 @@ def test_kill_9_and_resume_continues_from_last_checkpoint(tmp_path, tiny, tiny_d
 
 
 def test_bad_training_configs_are_refused(tmp_path, tiny_data):
+    with pytest.raises(ConfigError, match="not both 0"):
+        _cfg(tmp_path, tiny_data, ce_weight=0.0, feature_weight=0.0)
     with pytest.raises(ConfigError, match="steps must be >= 1"):
         _cfg(tmp_path, tiny_data, steps=0)
     with pytest.raises(ConfigError, match="learning_rate must be > 0"):
@@ -221,11 +261,9 @@ def test_bad_training_configs_are_refused(tmp_path, tiny_data):
         train(_cfg(tmp_path, str(tmp_path / "missing")), progress=False)
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: hsd\ndata_dir: x\nout_dir: y\nsteps: 0\n")
-    r = subprocess.run([sys.executable, "-m", "hsd_jax", "train", "--config", str(bad)], capture_output=True,
-                       text=True, timeout=120)
+    r = run_cli("train", "--config", str(bad))
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: steps must be >= 1, got 0"]
-    r = subprocess.run([sys.executable, "-m", "hsd_jax", "train", "--config", str(tmp_path / "nope.yaml")],
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli("train", "--config", str(tmp_path / "nope.yaml"))
     assert r.returncode == 2 and "training config not found" in r.stderr
 
 
@@ -284,8 +322,7 @@ def test_added_data_dir_keeps_held_out_split_and_resumed_vocab(tmp_path, tiny, t
     (["--exclude", "/no/such/dir"], "--exclude directory not found"),
 ])
 def test_data_generate_rejects_bad_arguments(tmp_path, args, message):
-    r = subprocess.run([sys.executable, "-m", "hsd_jax", "data", "generate", "--out", str(tmp_path / "d")] + args,
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli("data", "generate", "--out", str(tmp_path / "d"), *args)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}")
 

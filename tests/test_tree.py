@@ -140,10 +140,9 @@ def test_chain_walk_accepts_prefix():
     assert int(n[0]) == 4 and int(last[0]) == 4
 
 
-def test_positions_and_depth_count():
+def test_positions():
     t = tr.chain_tree(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32))
     np.testing.assert_array_equal(tr.positions(t, jnp.array([10, 20])), [[10, 11, 12, 13], [20, 21, 22, 23]])
-    np.testing.assert_array_equal(tr.tree_depth_count(t), [3, 3])
 
 
 @SETTINGS
@@ -299,65 +298,6 @@ def test_dynamic_tree_errors():
 
 
 # ---------------------------------------------------------------------------
-# Templates
-# ---------------------------------------------------------------------------
-
-
-@st.composite
-def template_paths(draw):
-    n = draw(st.integers(1, 10))
-    paths, kids = [()], {(): 0}
-    for _ in range(n):
-        parent = paths[draw(st.integers(0, len(paths) - 1))]
-        child = parent + (kids[parent],)
-        kids[parent] += 1
-        kids[child] = 0
-        paths.append(child)
-    out = paths[1:]
-    return draw(st.permutations(out))
-
-
-@SETTINGS
-@given(paths=template_paths(), seed=st.integers(0, 2**31 - 1))
-def test_template_tree_fill_matches_paths(paths, seed):
-    tpl = tr.template_tree(paths)
-    num_slots = len(paths) + 1
-    assert tpl.parents.shape == (num_slots,) and tpl.max_depth == max(len(p) for p in paths)
-    rng = np.random.default_rng(seed)
-    ct = rng.integers(0, 1000, (2, num_slots, tpl.num_ranks)).astype(np.int32)
-    lp = -rng.exponential(size=(2, num_slots, tpl.num_ranks)).astype(np.float32)
-    t = tr.fill_template(tpl, jnp.asarray(ct), jnp.asarray(lp), jnp.array([3, 4]))
-    tr.check_tree(t, score_order=False)
-    np.testing.assert_array_equal(t.tokens[:, 0], [3, 4])
-    # Reconstruct each slot's rank path and check tokens and cumulative scores along it.
-    par, rank = tpl.parents, tpl.rank
-    slot_paths = {0: ()}
-    for i in range(1, num_slots):
-        slot_paths[i] = slot_paths[par[i]] + (int(rank[i]),)
-        assert np.asarray(t.tokens)[:, i].tolist() == ct[:, par[i], rank[i]].tolist()
-        np.testing.assert_allclose(t.scores[:, i], t.scores[:, par[i]] + lp[:, par[i], rank[i]], rtol=1e-5)
-        if i > 1 and tpl.depth[i] == tpl.depth[i - 1]:
-            assert slot_paths[i - 1] < slot_paths[i]
-    assert sorted(slot_paths.values())[1:] == sorted(paths)
-    check_walk(t, random_targets(rng, t, 1000))
-
-
-def test_template_errors():
-    for bad, msg in [
-        ([], "at least one"),
-        ([()], "non-empty"),
-        ([(0,), (0,)], "duplicate"),
-        ([(0,), (0, -1)], ">= 0"),
-        ([(0,), (1, 0)], r"missing ancestor paths \[\(1,\)\]"),
-    ]:
-        with pytest.raises(ValueError, match=msg):
-            tr.template_tree(bad)
-    tpl = tr.template_tree([(0,), (1,), (0, 0)])
-    with pytest.raises(ValueError, match="expected child_tokens"):
-        tr.fill_template(tpl, jnp.zeros((1, 4, 3), jnp.int32), jnp.zeros((1, 4, 3)), jnp.zeros((1,), jnp.int32))
-
-
-# ---------------------------------------------------------------------------
 # Greedy walk
 # ---------------------------------------------------------------------------
 
@@ -407,11 +347,3 @@ def test_eager_matches_jit_and_single_slot_trees():
     n, path, last = jit_walk(root_only, jnp.zeros((2, 1), jnp.int32))
     np.testing.assert_array_equal(n, [0, 0]), np.testing.assert_array_equal(last, [0, 0])
     np.testing.assert_array_equal(path, [[0, -1, -1, -1]] * 2)
-    tpl = tr.template_tree([(0,), (1,), (0, 0)])
-    ct, lp = jnp.arange(2 * 4 * 2).reshape(2, 4, 2), -jnp.ones((2, 4, 2))
-    t = tr.fill_template(tpl, ct, lp, root)
-    t_jit = jax.jit(partial(tr.fill_template, tpl))(ct, lp, root)
-    for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(t_jit)):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(t.tokens[0], [0, 0, 1, 2])
-    np.testing.assert_array_equal(t.scores[0], [0, -1, -1, -2])

@@ -3,14 +3,16 @@ import json
 
 import pytest
 
-from hsd_jax import generate, load_drafter, tune
+from hsd_jax import generate, load_drafter, tune, tuning
+from hsd_jax.config import InputError
+from hsd_jax.engine import SpecConfig
 from tests.helpers import tiny_target
 
 
 @pytest.fixture
 def tuned_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(tune, "TUNED_DIR", str(tmp_path))
-    return tmp_path
+    monkeypatch.setenv("HSD_JAX_CACHE", str(tmp_path))
+    return tmp_path / "tuned"
 
 
 def test_candidate_trees_are_valid_and_bounded():
@@ -25,29 +27,38 @@ def test_candidate_trees_are_valid_and_bounded():
     assert {"tree_nodes": 1, "tree_depth": 1, "tree_top_k": 1} in tune.candidate_trees(2)
 
 
-def test_tune_writes_the_fastest_tree_and_generate_uses_it(tuned_dir):
+def test_tune_writes_the_fastest_tree_and_generate_uses_it_when_asked(tuned_dir):
     target = tiny_target(vocab=64)
     drafter = load_drafter("hsd", target=target, random_init=True)
     grid = [dict(tree_nodes=2, tree_depth=2, tree_top_k=1), dict(tree_nodes=6, tree_depth=3, tree_top_k=2)]
     report = tune.tune(target, drafter, [[3, 9, 27, 17], [40, 2, 2, 8]], grid=grid, max_new_tokens=8, finalists=2,
                        log=lambda s: None)
 
-    saved = json.loads((tuned_dir / f"{tune.hardware_key()}.json").read_text())
-    assert saved["tree"] == report["tree"]
+    files = list(tuned_dir.iterdir())
+    assert [str(f) for f in files] == [report["path"]]
+    assert files[0].name.startswith(f"{tuning.hardware_key()}--") and "--hsd-" in files[0].name
+    saved = json.loads(files[0].read_text())
+    assert saved["tree"] == report["tree"] and '": "/' not in files[0].read_text()  # no machine paths
     assert len(report["grid"]) == 2 and len(report["finalists"]) == 1 + 2 * 3  # ar + 2 trees x 3 reuse policies
     assert report["finalists"]["ar"]["speedup_vs_ar"] == 1.0
     best = max((n for n in report["finalists"] if n != "ar"), key=lambda n: report["finalists"][n]["speedup_vs_ar"])
     tree = report["tree"]
     assert best == f"{tree['tree_nodes']}/{tree['tree_depth']}/{tree['tree_top_k']} {report['reuse']}"
     assert len(report["acceptance_by_depth"]) == 4 and all(0 <= a <= 1 for a in report["acceptance_by_depth"])
-    assert sorted(report["verify_cost_ms"]) == sorted(report["verify_cost_ms"], key=int)
-    assert all(ms > 0 for ms in report["verify_cost_ms"].values())
+    sizes = list(report["verify_cost_ms"])
+    assert sizes == sorted(sizes) and len(sizes) > 1 and all(ms > 0 for ms in report["verify_cost_ms"].values())
 
-    assert tune.default_tree() == report["tree"]
-    assert tune.default_reuse() == report["reuse"]
-    stats = generate(target, [[5, 6, 7]], max_new_tokens=6, method="hsd", drafter=drafter)[0].stats
+    stats = generate(target, [[5, 6, 7]], max_new_tokens=6, method="hsd", drafter=drafter, tuned=True)[0].stats
     assert stats["reuse"] == report["reuse"]
     assert (stats["tree_nodes"], stats["tree_depth"], stats["tree_top_k"]) == tuple(report["tree"].values())
+    plain = generate(target, [[5, 6, 7]], max_new_tokens=6, method="hsd", drafter=drafter)[0].stats
+    d = SpecConfig()
+    assert (plain["tree_nodes"], plain["tree_depth"], plain["tree_top_k"], plain["reuse"]) == (
+        d.tree_nodes, d.tree_depth, d.tree_top_k, d.reuse)
+    # another drafter (a different config) does not inherit this one's tree
+    other = load_drafter("hsd", target=target, random_init=True, draft_vocab_size=32)
+    with pytest.raises(InputError, match="hsd tune --method hsd"):
+        generate(target, [[5, 6, 7]], max_new_tokens=6, method="hsd", drafter=other, tuned=True)
 
 
 def test_acceptance_by_depth_is_one_for_an_oracle_drafter_and_low_for_a_random_one():
@@ -64,8 +75,13 @@ def test_acceptance_by_depth_is_one_for_an_oracle_drafter_and_low_for_a_random_o
     assert rand[0] < 0.5
 
 
-def test_without_a_tuned_file_the_backend_default_applies(tuned_dir):
-    assert tune.load_tuned() is None
-    assert tune.default_tree() == tune.DEFAULT_TREES["cpu"]
-    assert tune.default_reuse() == "refresh"
-    assert tune.tree_options(depth=2)["tree_depth"] == 2
+def test_tuned_trees_live_in_the_user_cache_keyed_by_hardware_model_and_drafter(tuned_dir, monkeypatch):
+    target = tiny_target(vocab=64)
+    d1 = load_drafter("hsd", target=target, random_init=True)
+    e1 = load_drafter("eagle", target=target, random_init=True)
+    assert tuning.tuned_path(target, d1).startswith(str(tuned_dir))
+    assert tuning.tuned_path(target, d1) != tuning.tuned_path(target, e1)
+    assert tuning.load_tuned(target, d1) is None
+    monkeypatch.delenv("HSD_JAX_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tuned_dir / "xdg"))
+    assert tuning.cache_dir() == str(tuned_dir / "xdg" / "hsd_jax" / "tuned")

@@ -8,6 +8,7 @@ import numpy as np
 
 from hsd_jax.config import ModelConfig
 from hsd_jax.loading.errors import ModelLoadError
+from hsd_jax.models.layers import jnp_dtype
 
 # HF per-layer name -> (Flax path inside a layer, transpose)
 LAYER_TENSORS = {
@@ -54,7 +55,7 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str
 
     host=True keeps them as host numpy arrays, so a mesh can place each slice straight into
     its device (`sharding.shard_params`) without a full copy on one device first."""
-    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    dtype = jnp_dtype(cfg)
     asarray = (lambda a, dt: np.asarray(a, dt)) if host else jnp.asarray
     shapes = expected_shapes(cfg)
 

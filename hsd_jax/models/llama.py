@@ -169,3 +169,15 @@ def forward_logits(params, cfg, tokens, positions, cache, parents=None):
     """Jitted forward returning (logits [B, T, V], ForwardOutput); for tests and tools."""
     out = forward(params, cfg, tokens, positions, cache, parents)
     return logits_from_features(params, cfg, out.features), out
+
+
+def prefill(params: dict, cfg: ModelConfig, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache):
+    """Run right-padded prompts [B, T] through the model from an empty cache.
+
+    Returns (logits at each prompt's last token [B, V], ForwardOutput with the cache
+    committed to the prompt lengths)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = forward(params, cfg, tokens, positions, cache)
+    logits = logits_from_features(params, cfg, out.features[jnp.arange(b), prompt_lens - 1])
+    return logits, out._replace(cache=out.cache.replace(lengths=prompt_lens.astype(jnp.int32)))

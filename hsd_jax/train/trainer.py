@@ -41,6 +41,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     ce_weight: float = 0.5
+    feature_weight: float = 1.0  # weight of the feature regression (0: token loss only)
+    soft_labels: bool = False  # token loss against the target's draft-vocab distribution, not the data's token
     draft_vocab_size: int = 8192
     injection: str = "fused"
     readout: str = "fused"
@@ -75,6 +77,9 @@ class TrainConfig:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.max_seconds < 0:
             raise ConfigError(f"max_seconds must be >= 0 (0: no limit), got {self.max_seconds}")
+        if self.ce_weight < 0 or self.feature_weight < 0 or self.ce_weight + self.feature_weight == 0:
+            raise ConfigError(f"ce_weight and feature_weight must be >= 0 and not both 0, got "
+                              f"{self.ce_weight} and {self.feature_weight}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise ConfigError("warmup_steps and weight_decay must be >= 0 and grad_clip > 0")
         if self.init_from and not os.path.isfile(os.path.join(self.init_from, "drafter.json")):
@@ -182,6 +187,15 @@ def draft_vocab(seqs, prompt_lens, vocab_size: int, size: int) -> np.ndarray:
     return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
 
 
+def vocab_coverage(data: SequenceData, d2t) -> float:
+    """Share of the held-out rows' response tokens inside the draft vocabulary (the rest can never
+    be drafted)."""
+    inside = np.zeros(max(int(np.max(d2t)) + 1, max(int(data.rows[r][0].max()) for r in data.holdout) + 1), bool)
+    inside[d2t] = True
+    resp = np.concatenate([data.rows[r][0][data.rows[r][3]:] for r in data.holdout])
+    return round(float(inside[resp].mean()), 4) if len(resp) else 0.0
+
+
 def feature_rms(data: SequenceData, n: int = 64) -> float:
     rows = data.train[:n]
     vals = [np.asarray(data.rows[r][1][data.rows[r][2], : len(data.rows[r][0])], np.float32) for r in rows]
@@ -218,8 +232,8 @@ def run_vocab(cfg: TrainConfig, target, data: SequenceData, init=None) -> tuple[
     if init is not None:
         d2t, rms = np.asarray(init.d2t, np.int32), float(init.config.feature_rms)
     else:
-        seqs, plens = load_shards(cfg.data_dirs)
-        d2t = draft_vocab(seqs, plens, target.config.vocab_size, cfg.draft_vocab_size)
+        rows = [data.rows[r] for r in data.train]  # training rows only: held-out coverage stays honest
+        d2t = draft_vocab([r[0] for r in rows], [r[3] for r in rows], target.config.vocab_size, cfg.draft_vocab_size)
         rms = round(feature_rms(data), 3)
     from hsd_jax import sharding
 
@@ -243,7 +257,7 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
                                          readout_context=cfg.readout_context,
                                          feature_rms=rms)
     view = dmod.target_view(target.params, target.config, d2t)
-    weights = losses.LossWeights(ce=cfg.ce_weight)
+    weights = losses.LossWeights(feature=cfg.feature_weight, ce=cfg.ce_weight, soft_labels=cfg.soft_labels)
 
     def loss(params, batch, key):
         return losses.drafter_loss(params, dcfg, view, t2d, batch, key, steps=cfg.unroll,
@@ -426,6 +440,8 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
                  **evaluate(state["params"]), wall_seconds_this_run=round(time.time() - t0, 1),
                  loss_first=round(float(np.mean(losses_seen[:k])), 4) if losses_seen else None,
                  loss_last=round(float(np.mean(losses_seen[-k:])), 4) if losses_seen else None)
+    if task["d2t"] is not None:
+        final["vocab_coverage_heldout"] = vocab_coverage(data, task["d2t"])
     half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state["params"])
     save_drafter(dmod.Drafter(cfg.kind, half, task["config"], task["d2t"]), os.path.join(cfg.out_dir, "drafter"))
     if primary:

@@ -1,0 +1,33 @@
+"""The drafter kind shared by the feature drafters (hsd, eagle): a `DrafterConfig`, a
+draft vocabulary, weights shaped like one target layer."""
+from __future__ import annotations
+
+import numpy as np
+
+from hsd_jax.config import ConfigError
+from hsd_jax.loading.errors import ModelLoadError
+from hsd_jax.methods.base import DrafterKind
+
+
+def feature_drafter(kind: str) -> DrafterKind:
+    from hsd_jax.models.drafter import DrafterConfig, init_drafter_params
+
+    def config(raw: dict):
+        return DrafterConfig(**raw)
+
+    def random(target, seed: int, **overrides):
+        import jax
+
+        cfg = DrafterConfig.for_target(kind, target.config, **overrides)
+        return init_drafter_params(cfg, jax.random.key(seed)), cfg, np.arange(cfg.vd, dtype=np.int32)
+
+    def finish(params, cfg, d2t, target):
+        if cfg.kind != kind:
+            raise ConfigError(f"a {kind} drafter needs a {kind!r} drafter config, got {cfg.kind!r}")
+        cfg.check_target(target.config)
+        vocab = target.config.vocab_size
+        if d2t is None or len(d2t) != cfg.vd or (len(d2t) and (d2t.min() < 0 or d2t.max() >= vocab)):
+            raise ModelLoadError(f"drafter draft-vocab map must hold {cfg.vd} target ids")
+        return params, cfg, d2t
+
+    return DrafterKind(config=config, random=random, finish=finish)
