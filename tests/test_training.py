@@ -152,12 +152,14 @@ def test_engine_feeds_the_read_out_each_node_s_path():
     import jax.numpy as jnp
 
     from hsd_jax import engine
+    from hsd_jax.methods.hsd import recent_tokens
+    from hsd_jax.tree import grow_tree
 
     prompt = jnp.asarray([[11, 12, 13, 0], [21, 22, 0, 0]])
     lens = jnp.asarray([3, 2])
     gen = jnp.asarray([[30, 31, 32, -1], [40, -1, -1, -1]])
     count = jnp.asarray([3, 1])            # newest committed: 32 and 40
-    assert engine.recent_tokens(prompt, lens, gen, count, 3).tolist() == [[31, 30, 13], [22, 21, 21]]
+    assert recent_tokens(prompt, lens, gen, count, 3).tolist() == [[31, 30, 13], [22, 21, 21]]
 
     spec = engine.SpecConfig(method="hsd", tree_nodes=10, tree_depth=3, tree_top_k=2)
 
@@ -167,7 +169,7 @@ def test_engine_feeds_the_read_out_each_node_s_path():
 
     root, root_ctx = jnp.asarray([5]), jnp.asarray([[4, 3]])
     first = (jnp.asarray([[50, 60]]), jnp.asarray([[-0.1, -0.2]]))
-    tree = engine.grow_tree(first, children, root, spec, root_ctx)
+    tree = grow_tree(first, children, root, spec, root_ctx)
     tok, par = np.asarray(tree.tokens[0]), np.asarray(tree.parents[0])
     checked = 0
     for i in range(1, len(tok)):
