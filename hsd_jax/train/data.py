@@ -92,6 +92,12 @@ def write_shard(path: str, seqs: list[list[int]], prompt_lens: list[int]) -> Non
     os.replace(tmp, path)
 
 
+def shard_rows(path: str) -> list[tuple[np.ndarray, int]]:
+    """One shard's sequences: (prompt + response token ids, prompt length) per row, in row order."""
+    with np.load(path, allow_pickle=False) as z:
+        return [(row[:n].copy(), int(pl)) for row, n, pl in zip(z["tokens"], z["lengths"], z["prompt_lens"])]
+
+
 def load_shards(data_dirs) -> tuple[list[np.ndarray], list[int]]:
     """All sequences (prompt + response token ids) and prompt lengths from one data directory
     or a list of them."""
@@ -101,10 +107,9 @@ def load_shards(data_dirs) -> tuple[list[np.ndarray], list[int]]:
         if not paths:
             raise DataError(f"no training shards in {data_dir}: run `hsd data generate` first")
         for p in paths:
-            with np.load(p, allow_pickle=False) as z:
-                for row, n, pl in zip(z["tokens"], z["lengths"], z["prompt_lens"]):
-                    seqs.append(row[:n])
-                    plens.append(int(pl))
+            for tokens, plen in shard_rows(p):
+                seqs.append(tokens)
+                plens.append(plen)
     return seqs, plens
 
 

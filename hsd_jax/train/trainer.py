@@ -20,7 +20,7 @@ import optax
 
 from hsd_jax.config import ConfigError
 from hsd_jax.train import losses
-from hsd_jax.train.data import DataError, load_shards, shard_paths
+from hsd_jax.train.data import DataError, load_shards, shard_paths, shard_rows
 from hsd_jax.train.features import build_feature_cache, feature_path
 
 
@@ -117,9 +117,7 @@ class SequenceData:
             first = len(self.rows)
             for shard in shard_paths(data_dir):
                 feats = None if cache_dir is None else np.load(feature_path(cache_dir, shard), mmap_mode="r")
-                with np.load(shard, allow_pickle=False) as z:
-                    for i, (row, n, pl) in enumerate(zip(z["tokens"], z["lengths"], z["prompt_lens"])):
-                        self.rows.append((row[:n].copy(), feats, i, int(pl)))
+                self.rows.extend((tokens, feats, i, plen) for i, (tokens, plen) in enumerate(shard_rows(shard)))
             count = len(self.rows) - first
             if count < 2:
                 raise DataError(f"{data_dir}: need at least 2 sequences, found {count}")
