@@ -56,11 +56,11 @@ def main() -> None:
     data = SequenceData(a.data, None, a.window, a.holdout_fraction, seed=0)
     cfg = target.config.replace(feature_layers=())
     for r in data.holdout:  # target features of the held-out rows only (full-sequence prefill)
-        tokens, _, _, plen = data.rows[r]
+        tokens, _, _, plen, _ = data.rows[r]
         padded = np.zeros((1, -(-len(tokens) // 64) * 64), np.int32)
         padded[0, : len(tokens)] = tokens
         feats = np.asarray(_features(target.params, cfg, padded)[0], np.float32)[:, : len(tokens)]
-        data.rows[r] = (tokens, feats, 0, plen)
+        data.rows[r] = (tokens, feats, 0, plen, None)
     out = {"data": a.data, "heldout_sequences": len(data.holdout), "window": a.window, "depth": a.depth,
            "drafters": {}}
     for item in a.drafter:

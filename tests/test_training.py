@@ -211,6 +211,32 @@ def test_training_lowers_loss_and_raises_acceptance(tmp_path, tiny, tiny_data, k
     assert res.token_ids == ref.token_ids and res.stats["tau"] > 1.1
 
 
+def test_training_a_drafter_that_fuses_several_target_layers(tmp_path, tiny, tiny_data):
+    """`feature_layers`: the cache keeps those layers' outputs, the drafter's FC fuses them as its
+    true-feature input, and the trained drafter serves lossless generation."""
+    from hsd_jax import generate, load_drafter
+    from hsd_jax.train.data import shard_paths
+    from hsd_jax.train.features import aux_path
+
+    with pytest.raises(ConfigError, match="feature_layers is implemented for hsd"):
+        _cfg(tmp_path, tiny_data, kind="eagle", feature_layers=[0, 1])
+    cfg = _cfg(tmp_path, tiny_data, steps=60, feature_layers=[0, 1], eval_every=1000)
+    assert cfg.feature_layers == (0, 1)
+    final = train(cfg, target=tiny, progress=False, log=lambda *_: None)
+    assert final["loss_last"] < 0.8 * final["loss_first"]
+    shard = shard_paths(tiny_data)[0]
+    aux = np.load(aux_path(os.path.join(cfg.out_dir, "features"), shard, (0, 1)))
+    assert aux.shape[2:] == (2, 32) and np.abs(aux).max() > 0
+    d = load_drafter("hsd", os.path.join(cfg.out_dir, "drafter"), target=tiny)
+    assert d.config.feature_layers == (0, 1) and d.params["fc"]["kernel"].shape == (64, 32)
+    prompts = [[3, 9, 27, 17], [40, 2, 2, 8, 13]]
+    ref = [r.token_ids for r in generate(tiny, prompts, max_new_tokens=12)]
+    assert [r.token_ids for r in generate(tiny, prompts, max_new_tokens=12, method="hsd", drafter=d)] == ref
+    with pytest.raises(ConfigError, match="feature layer 5"):
+        train(_cfg(tmp_path, tiny_data, steps=2, feature_layers=[5], out_dir=str(tmp_path / "bad")), target=tiny,
+              progress=False, log=lambda *_: None)
+
+
 def _latest_step(ckpt_dir):
     if not os.path.isdir(ckpt_dir):
         return 0

@@ -24,6 +24,7 @@ class Batch(NamedTuple):
     features: jax.Array   # [B, W, d] true target features (pre-norm, last layer)
     valid: jax.Array      # [B, W] bool: position q has a response label x_{q+2} and f_{q+1}
     chain_ok: jax.Array   # [B, W] bool: a chain may start at q (q >= prompt end - 1)
+    aux: jax.Array | None = None  # [B, W, k, d] outputs of the drafter's `feature_layers` (when it fuses them)
 
 
 def multi_source_attention(q, ks, vs, step: int):
@@ -60,7 +61,8 @@ def unrolled_features(params, dcfg, view, batch: Batch, steps: int) -> list[jax.
     pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
     x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
     if dcfg.kind == "hsd":
-        z = dmod.input_features(params, dcfg, batch.features.astype(jnp.float32), None)
+        aux = None if not dcfg.feature_layers else jnp.moveaxis(batch.aux, 2, 0).astype(jnp.float32)
+        z = dmod.input_features(params, dcfg, batch.features.astype(jnp.float32), aux)
     else:
         z = dmod.eagle_inputs(params, dcfg, view, batch.features, x_next)
     z0, ks, vs, outs = z, [], [], []

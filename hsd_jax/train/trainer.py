@@ -21,7 +21,7 @@ import optax
 from hsd_jax.config import ConfigError
 from hsd_jax.train import losses
 from hsd_jax.train.data import DataError, load_shards, shard_paths, shard_rows
-from hsd_jax.train.features import build_feature_cache, feature_path
+from hsd_jax.train.features import aux_path, build_feature_cache, feature_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,7 @@ class TrainConfig:
     injection: str = "fused"
     readout: str = "fused"
     readout_context: int = 1  # path tokens the fused read-out sees (hsd: 1 = the current token only)
+    feature_layers: tuple = ()  # hsd: target layers whose outputs the drafter fuses (FC) as its true-feature input
     save_every: int = 100
     eval_every: int = 250
     max_to_keep: int = 2
@@ -65,6 +66,9 @@ class TrainConfig:
             raise ConfigError(f"sd_layers must be >= 1, got {self.sd_layers}")
         if isinstance(self.data_dir, list):
             object.__setattr__(self, "data_dir", tuple(self.data_dir))
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+        if self.feature_layers and self.kind != "hsd":
+            raise ConfigError(f"feature_layers is implemented for hsd drafters, not {self.kind!r}")
         if not self.data_dir or not all(isinstance(d, str) and d for d in self.data_dirs):
             raise ConfigError(f"data_dir must be a directory or a list of them, got {self.data_dir!r}")
         if not self.out_dir:
@@ -109,15 +113,19 @@ class TrainConfig:
 class SequenceData:
     """Token sequences with their cached features, split into train and held-out rows."""
 
-    def __init__(self, data_dirs, cache_dir: str | None, window: int, holdout: float, seed: int):
+    def __init__(self, data_dirs, cache_dir: str | None, window: int, holdout: float, seed: int,
+                 feature_layers=()):
         self.window = window
-        self.rows = []  # (tokens, features memmap or None, row in the shard, prompt_len)
+        self.rows = []  # (tokens, features memmap or None, row in the shard, prompt_len, aux memmap or None)
         hold, train = [], []
         for data_dir in [data_dirs] if isinstance(data_dirs, str) else data_dirs:
             first = len(self.rows)
             for shard in shard_paths(data_dir):
                 feats = None if cache_dir is None else np.load(feature_path(cache_dir, shard), mmap_mode="r")
-                self.rows.extend((tokens, feats, i, plen) for i, (tokens, plen) in enumerate(shard_rows(shard)))
+                aux = None
+                if cache_dir is not None and feature_layers:
+                    aux = np.load(aux_path(cache_dir, shard, feature_layers), mmap_mode="r")
+                self.rows.extend((tokens, feats, i, plen, aux) for i, (tokens, plen) in enumerate(shard_rows(shard)))
             count = len(self.rows) - first
             if count < 2:
                 raise DataError(f"{data_dir}: need at least 2 sequences, found {count}")
@@ -136,17 +144,22 @@ class SequenceData:
         feats = np.zeros((len(idx), w, d), np.float32)
         valid = np.zeros((len(idx), w), bool)
         chain_ok = np.zeros((len(idx), w), bool)
+        first_aux = self.rows[idx[0]][4]
+        aux = None if first_aux is None else np.zeros((len(idx), w) + first_aux.shape[2:], np.float32)
         for j, r in enumerate(idx):
-            tokens, fmm, i, plen = self.rows[r]
+            tokens, fmm, i, plen, amm = self.rows[r]
             start = max(0, len(tokens) - w)
             n = len(tokens) - start
             toks[j, :n] = tokens[start:]
             if fmm is not None:
                 feats[j, :n] = fmm[i, start: len(tokens)]
+            if aux is not None:
+                aux[j, :n] = amm[i, start: len(tokens)]
             q = np.arange(w)
             chain_ok[j] = q >= plen - 1 - start
             valid[j] = chain_ok[j] & (q + 2 < n)
-        return losses.Batch(jnp.asarray(toks), jnp.asarray(feats), jnp.asarray(valid), jnp.asarray(chain_ok))
+        return losses.Batch(jnp.asarray(toks), jnp.asarray(feats), jnp.asarray(valid), jnp.asarray(chain_ok),
+                            None if aux is None else jnp.asarray(aux))
 
 
 def chain_report(sums: dict) -> dict:
@@ -253,7 +266,8 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     dcfg = dmod.DrafterConfig.for_target(cfg.kind, target.config, draft_vocab_size=len(d2t),
                                          injection=cfg.injection, readout=cfg.readout,
                                          readout_context=cfg.readout_context,
-                                         feature_rms=rms)
+                                         feature_layers=cfg.feature_layers, feature_rms=rms)
+    dcfg.check_target(target.config)
     view = dmod.target_view(target.params, target.config, d2t)
     weights = losses.LossWeights(feature=cfg.feature_weight, ce=cfg.ce_weight, soft_labels=cfg.soft_labels)
 
@@ -360,8 +374,9 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     if cfg.kind != "sd":
         cache_dir = cfg.feature_cache or os.path.join(cfg.out_dir, "features")
         for data_dir in cfg.data_dirs:
-            build_feature_cache(target, data_dir, cache_dir, batch_size=cfg.feature_batch, progress=progress)
-    data = SequenceData(cfg.data_dirs, cache_dir, cfg.window, cfg.holdout_fraction, cfg.seed)
+            build_feature_cache(target, data_dir, cache_dir, batch_size=cfg.feature_batch, progress=progress,
+                                feature_layers=cfg.feature_layers)
+    data = SequenceData(cfg.data_dirs, cache_dir, cfg.window, cfg.holdout_fraction, cfg.seed, cfg.feature_layers)
     place = lambda tree: tree
     if mesh is not None:
         sharding.check_mesh(target.config, mesh, cfg.batch_size, "target")
