@@ -179,6 +179,8 @@ def save_drafter(drafter, path: str) -> None:
         with open(meta, "w") as f:
             json.dump({"kind": drafter.kind, "config": dataclasses.asdict(drafter.config)}, f, indent=1)
         np.save(d2t_path, np.asarray(drafter.d2t if drafter.d2t is not None else [], np.int32))
+    if not jax.tree.leaves(drafter.params):  # a weightless drafter (lookup): its config is all there is
+        return
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.abspath(params_path), drafter.params, force=True)
 
@@ -223,7 +225,7 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
     if kind not in methods.REGISTRY:
         raise ConfigError(f"drafter kind must be one of {', '.join(methods.REGISTRY)}, got {kind!r}")
     dk = methods.REGISTRY[kind].drafter
-    if path is None and not random_init:
+    if path is None and not random_init and not dk.built_in:
         path = shipped_drafter(kind, target)
         if path is None:
             raise ModelLoadError(f"no {kind} drafter given and none is shipped for {target.name!r}: pass "
@@ -241,7 +243,7 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         except TypeError as e:
             raise ModelLoadError(f"{meta}: {e}") from None
         d2t = np.load(d2t_path, allow_pickle=False) if dk.has_draft_vocab and os.path.isfile(d2t_path) else None
-        params = _restore_params(params_path)
+        params = {} if dk.built_in and not os.path.exists(params_path) else _restore_params(params_path)
     else:
         params, cfg, d2t = dk.random(target, seed, **config)
     compute = jnp_dtype(target.config)  # drafters compute in the target's dtype
@@ -283,6 +285,8 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
     spec = None
     if method != "ar":
         m = methods.get(method)
+        if drafter is None and m.drafter.built_in:
+            drafter = load_drafter(method, target=target)
         if drafter is None:
             raise InputError(f"method {method!r} needs a drafter: hsd_jax.load_drafter({method!r}, ...)")
         if drafter.kind != method:

@@ -12,7 +12,13 @@ from hsd_jax.models.drafter import Drafter
 from tests.helpers import bigram_target, jax_logits, tiny_target, zero_layers
 
 METHODS = [("hsd", dict(reuse="none")), ("hsd", dict(reuse="chain")), ("hsd", dict(reuse="refresh")),
-           ("eagle", {}), ("sd", {}), ("ngram", {})]
+           ("eagle", {}), ("sd", {}), ("ngram", {}), ("lookup", {})]
+
+
+def _chain(method):
+    from hsd_jax.methods import REGISTRY
+
+    return method in REGISTRY and REGISTRY[method].drafts == "chain"
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +28,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def drafters(tiny):
-    return {k: load_drafter(k, target=tiny, random_init=True, seed=1) for k in ("hsd", "eagle", "sd", "ngram")}
+    return {k: load_drafter(k, target=tiny, random_init=True, seed=1) for k in ("hsd", "eagle", "sd", "ngram", "lookup")}
 
 
 @pytest.mark.parametrize("method, opts", METHODS)
@@ -31,7 +37,7 @@ def test_greedy_equals_ar_on_random_prompts(tiny, drafters, method, opts):
     prompts = [rng.integers(0, 64, size=n).tolist() for n in (1, 6, 13, 21)]
     ref = [r.token_ids for r in generate(tiny, prompts, max_new_tokens=30)]
     shapes = [dict(tree_nodes=6, tree_depth=3, tree_top_k=2), dict(tree_nodes=12, tree_depth=5, tree_top_k=3)]
-    if method == "sd":
+    if _chain(method):
         shapes = [dict(gamma=2), dict(gamma=5)]
     for shape in shapes:
         res = generate(tiny, prompts, max_new_tokens=30, method=method, drafter=drafters[method], **opts, **shape)
@@ -109,8 +115,9 @@ def test_eos_inside_an_accepted_round_stops_there_for_every_method():
     ref = [r.token_ids for r in generate(tgt, prompts, max_new_tokens=n_new)]
     assert ref[0] == conts[first][: k + 1] and len(ref[1]) == n_new   # mixed finish
     sd = (Drafter("sd", tgt.params, tgt.config), dict(gamma=4))
-    for dr, opts in _oracle_drafters(tgt) + [sd]:
-        tree = {} if dr.kind == "sd" else dict(tree_nodes=8, tree_depth=4, tree_top_k=2)
+    lookup = (load_drafter("lookup", target=tgt), dict(gamma=4))
+    for dr, opts in _oracle_drafters(tgt) + [sd, lookup]:
+        tree = {} if dr.kind in ("sd", "lookup") else dict(tree_nodes=8, tree_depth=4, tree_top_k=2)
         res = generate(tgt, prompts, max_new_tokens=n_new, method=dr.kind, drafter=dr, **opts, **tree)
         assert [r.token_ids for r in res] == ref, (dr.kind, opts)
         assert res[0].stats["new_tokens"] == k + 1
@@ -125,7 +132,7 @@ def test_bf16_generate_matches_bf16_ar(method, opts):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 64, size=n).tolist() for n in (3, 11)]
     ref = [r.token_ids for r in generate(tgt, prompts, max_new_tokens=16)]
-    shape = dict(gamma=3) if method == "sd" else dict(tree_nodes=6, tree_depth=3, tree_top_k=2)
+    shape = dict(gamma=3) if _chain(method) else dict(tree_nodes=6, tree_depth=3, tree_top_k=2)
     res = generate(tgt, prompts, max_new_tokens=16, method=method, drafter=drafter, **opts, **shape)
     assert [r.token_ids for r in res] == ref
 
@@ -174,7 +181,7 @@ def test_sampling_preserves_target_distribution(method, opts):
     prompt, n_samples, n_pos, temp = [1, 5, 2], 3000, 3, 1.0
     exact = _exact_marginals(tgt, prompt, n_pos, temp)
     dr = None if method == "ar" else load_drafter(method, target=tgt, random_init=True, seed=2)
-    shape = dict(gamma=2) if method == "sd" else dict(tree_nodes=5, tree_depth=2, tree_top_k=3)
+    shape = dict(gamma=2) if _chain(method) else dict(tree_nodes=5, tree_depth=2, tree_top_k=3)
     res = generate(tgt, [prompt] * n_samples, max_new_tokens=n_pos, temperature=temp, seed=123,
                    method=method, drafter=dr, **({} if method == "ar" else dict(opts, **shape)))
     toks = np.array([r.token_ids for r in res])
@@ -197,7 +204,7 @@ def test_sampling_with_top_k_top_p_preserves_the_truncated_distribution(method, 
     prompt, n_samples, n_pos, temp = [1, 5, 2], 3000, 2, 1.0
     exact = _exact_marginals(tgt, prompt, n_pos, temp, **trunc)
     dr = load_drafter(method, target=tgt, random_init=True, seed=2)
-    shape = dict(gamma=2) if method == "sd" else dict(tree_nodes=5, tree_depth=2, tree_top_k=3)
+    shape = dict(gamma=2) if _chain(method) else dict(tree_nodes=5, tree_depth=2, tree_top_k=3)
     res = generate(tgt, [prompt] * n_samples, max_new_tokens=n_pos, temperature=temp, seed=7, method=method,
                    drafter=dr, top_k=trunc.get("top_k", 0), top_p=trunc.get("top_p", 1.0), **opts, **shape)
     toks = np.array([r.token_ids for r in res])
@@ -243,7 +250,7 @@ def test_drafter_save_load_round_trip(tmp_path, tiny, drafters):
     from hsd_jax import save_drafter
     from hsd_jax.loading.errors import ModelLoadError
 
-    for kind in ("hsd", "eagle", "sd", "ngram"):
+    for kind in ("hsd", "eagle", "sd", "ngram", "lookup"):
         d = drafters[kind]
         save_drafter(d, str(tmp_path / kind))
         back = load_drafter(kind, str(tmp_path / kind), target=tiny)

@@ -64,12 +64,15 @@ class DrafterKind:
 
     config(raw) -> config from drafter.json's dict; random(target, seed, **overrides) ->
     (params, config, d2t) for tests; finish(params, config, d2t, target) -> (params, config, d2t)
-    after restoring and casting to the target's dtype (shared weights, dtype fixes, checks)."""
+    after restoring and casting to the target's dtype (shared weights, dtype fixes, checks).
+    built_in: the drafter needs no training (its defaults are the drafter): `load_drafter` builds
+    it when no path is given, and `generate` when no drafter is passed."""
 
     config: Callable
     random: Callable
     finish: Callable
     has_draft_vocab: bool = True
+    built_in: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
