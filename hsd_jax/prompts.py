@@ -21,7 +21,13 @@ class SuiteError(ValueError):
 
 
 def load_suite(name_or_path: str, num_prompts: int | None = None) -> list[str]:
-    """First-turn prompts of a named suite or a JSONL file ({"turns": [...]} or {"prompt": ...} lines)."""
+    """First-turn prompts of a named suite or a JSONL file ({"turns": [...]} or {"prompt": ...} lines).
+
+    `NAME:CATEGORY` keeps the records of one category (Spec-Bench: translation, summarization, qa,
+    math_reasoning, rag, and MT-bench's writing, roleplay, ...)."""
+    category = None
+    if name_or_path not in SUITES and ":" in name_or_path and name_or_path.split(":", 1)[0] in SUITES:
+        name_or_path, category = name_or_path.split(":", 1)
     path = os.path.join(DATA_DIR, SUITES[name_or_path]) if name_or_path in SUITES else name_or_path
     if not os.path.isfile(path):
         raise SuiteError(f"unknown suite {name_or_path!r}: use one of {', '.join(SUITES)} or a .jsonl path")
@@ -41,7 +47,8 @@ def load_suite(name_or_path: str, num_prompts: int | None = None) -> list[str]:
                 text = rec["prompt"]
             if not isinstance(text, str) or not text.strip():
                 raise SuiteError(f"{path}:{lineno}: expected a non-empty 'turns' list or 'prompt' string")
-            prompts.append(text)
+            if category is None or rec.get("category") == category:
+                prompts.append(text)
     if not prompts:
-        raise SuiteError(f"{path}: no prompts")
+        raise SuiteError(f"{path}: no prompts" + (f" in category {category!r}" if category else ""))
     return prompts[:num_prompts] if num_prompts else prompts

@@ -50,6 +50,14 @@ def test_bench_detects_outputs_that_differ_from_ar(tiny):
     assert out["ar"]["identical_to_ar"] is True and out["broken"]["identical_to_ar"] is False
 
 
+def test_spec_bench_categories_are_suites():
+    summ = load_suite("spec_bench:summarization")
+    assert len(summ) == 80 and all(p.startswith("Summarize:") for p in summ)
+    assert len(load_suite("spec_bench:rag", 3)) == 3 and len(load_suite("spec_bench")) == 480
+    with pytest.raises(SuiteError, match="no prompts in category 'poetry'"):
+        load_suite("spec_bench:poetry")
+
+
 def test_suite_with_bad_line_is_rejected_with_line_number(tmp_path):
     p = tmp_path / "suite.jsonl"
     p.write_text('{"turns": ["Explain RoPE."]}\n{"prompt": "What is JAX?"}\n{"turns": []}\n')
