@@ -113,15 +113,10 @@ def check_request(prompts, max_new_tokens: int, prompt_bucket: int = PROMPT_BUCK
 
 
 def encode_prompts(target: Target, prompts, chat: bool) -> list[list[int]]:
-    """Token ids per prompt; prompts are strings or lists of token ids."""
-    prompts = _as_list(prompts)
-    if not prompts:
-        raise InputError("no prompts given")
+    """Token ids per prompt of a request `check_request` passed; prompts are strings or lists of token ids."""
     ids = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(_as_list(prompts)):
         if isinstance(p, str):
-            if not p.strip():
-                raise InputError(f"prompt {i} is empty")
             if target.tokenizer is None:
                 raise InputError("this target has no tokenizer: pass token ids")
             p = target.encode(p, chat)
@@ -266,13 +261,17 @@ def _shard_args(args, mesh, target: Target, drafter, batch: int):
 
 def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False, method: str = "ar",
-             drafter=None, mesh=None, prompt_bucket: int = PROMPT_BUCKET, **options) -> list[GenerationResult]:
+             drafter=None, mesh=None, prompt_bucket: int = PROMPT_BUCKET, tuned: bool = False,
+             **options) -> list[GenerationResult]:
     """Generate a continuation per prompt with one jitted decode loop; one result per prompt.
 
     mesh: a `hsd_jax.sharding.make_mesh(data, model)` mesh to run on several devices: params
     are placed into their shards (heads / MLP / vocab over `model`), prompts and KV caches over
     `data` (the number of prompts must divide by it), and XLA partitions the loop. Pallas
     tree attention then runs per shard under `jax.shard_map`.
+
+    tuned: take the tree (and hsd reuse) `hsd tune` chose for this hardware, target and drafter
+    (`hsd_jax.tuning`); explicit options still win; ignored by ar.
 
     prompt_bucket: prompts are right-padded to a multiple of this many tokens; each padded
     length compiles once, so a larger bucket trades a little prefill for fewer compiles
@@ -292,18 +291,17 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         if drafter.kind != method:
             raise InputError(f"method {method!r} needs a {method!r} drafter, got a {drafter.kind!r} one")
         known = {f.name for f in dataclasses.fields(engine.SpecConfig)} - {"method"}
-        unknown = set(options) - known - {"tuned"}
+        unknown = set(options) - known
         if unknown:
             raise InputError(f"unknown options for method {method!r}: {', '.join(sorted(unknown))}")
-        options = dict(options)
-        if options.pop("tuned", False):
+        if tuned:
             from hsd_jax import tuning
 
             options = dict(tuning.tuned_options(method, target, drafter), **options)
         spec = engine.SpecConfig(method=method, **options)
         m.check(drafter, spec)
-    elif set(options) - {"tuned"}:
-        raise InputError(f"unknown options for method 'ar': {', '.join(sorted(set(options) - {'tuned'}))}")
+    elif options:
+        raise InputError(f"unknown options for method 'ar': {', '.join(sorted(options))}")
     ids = encode_prompts(target, prompts, chat)
     longest = max(len(p) for p in ids)
     slack = 0 if spec is None else spec.cache_slack
