@@ -73,11 +73,8 @@ def make_runner(target, name: str, drafter=None, *, options: dict | None = None,
     if method == "ar":
         options = {}
     else:
-        drafts = REGISTRY[method].drafts
-        drop = {"gamma"} if drafts == "tree" else {"tree_nodes", "tree_depth", "tree_top_k"}
-        if method != "hsd":
-            drop.add("reuse")
-        options = {k: v for k, v in options.items() if k not in drop}
+        unread = {"tree_nodes", "tree_depth", "tree_top_k", "gamma", "reuse"} - REGISTRY[method].options
+        options = {k: v for k, v in options.items() if k not in unread}
         options.update(forced)
 
     def run(ids):

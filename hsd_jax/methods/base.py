@@ -94,3 +94,9 @@ class Method:
     reuse: bool = False
     scratch: Callable = lambda spec: 0
     check: Callable = lambda drafter, spec: None
+
+    @property
+    def options(self) -> frozenset:
+        """The speculative options (SpecConfig fields) this method reads."""
+        shape = {"tree_nodes", "tree_depth", "tree_top_k"} if self.drafts == "tree" else {"gamma"}
+        return frozenset(shape | ({"reuse"} if self.reuse else set()))
