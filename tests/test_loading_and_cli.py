@@ -22,7 +22,7 @@ def test_missing_paths_are_clear_errors(tmp_path):
         load_target(str(tmp_path), tokenizer=False)
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"not a gguf")
-    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
         load_target(str(bad))
 
 

@@ -9,6 +9,7 @@ import numpy as np
 from hsd_jax.config import ModelConfig, RopeScaling
 from hsd_jax.loading.convert import build_params
 from hsd_jax.loading.errors import ModelLoadError
+from hsd_jax.loading.gguf_file import GGUFFile, read_gguf
 
 DEFAULT_MODEL = "smollm2-135m"
 # the wheel whose GGUF the tolerances, shipped drafters and tau floors were measured on
@@ -48,52 +49,40 @@ def default_gguf_path() -> str:
     return os.path.join(folder, files[0])
 
 
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation so HF's rotate-half RoPE applies."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def _open(path: str):
-    import gguf
+def gguf_config(gf: GGUFFile, path: str, **overrides) -> ModelConfig:
+    def _field(key, default=None):
+        return gf.fields.get(key, default)
 
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"GGUF file not found: {path}")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
-
-
-def gguf_config(reader, path: str, **overrides) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+    arch = _field("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; "
                              f"supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
     a = arch
-    names = {t.name for t in reader.tensors}
-    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    n_head = int(_field(reader, f"{a}.attention.head_count"))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    hidden = int(_field(reader, f"{a}.embedding_length"))
+    if "token_embd.weight" not in gf.tensors:
+        raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
+    emb = gf.tensors["token_embd.weight"]
+    n_head = int(_field(f"{a}.attention.head_count"))
+    eos = _field("tokenizer.ggml.eos_token_id")
+    bos = _field("tokenizer.ggml.bos_token_id")
+    hidden = int(_field(f"{a}.embedding_length"))
     return ModelConfig(
         vocab_size=int(emb.shape[1]),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{a}.block_count")),
+        intermediate_size=int(_field(f"{a}.feed_forward_length")),
+        num_layers=int(_field(f"{a}.block_count")),
         num_heads=n_head,
-        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", n_head)),
-        head_dim=int(_field(reader, f"{a}.rope.dimension_count", hidden // n_head)),
-        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        num_kv_heads=int(_field(f"{a}.attention.head_count_kv", n_head)),
+        head_dim=int(_field(f"{a}.rope.dimension_count", hidden // n_head)),
+        rope_theta=float(_field(f"{a}.rope.freq_base", 10000.0)),
         rope_scaling=RopeScaling(),
-        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_word_embeddings="output.weight" not in names,
-        max_position_embeddings=int(_field(reader, f"{a}.context_length", 8192)),
+        rms_norm_eps=float(_field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in gf.tensors,
+        max_position_embeddings=int(_field(f"{a}.context_length", 8192)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
         **overrides,
@@ -104,9 +93,9 @@ def load_gguf(path: str, host: bool = False, **overrides) -> tuple[ModelConfig, 
     """Config and dequantized params of a llama GGUF file."""
     import gguf
 
-    reader = _open(path)
-    cfg = gguf_config(reader, path, **overrides)
-    tensors = {t.name: t for t in reader.tensors}
+    gf = read_gguf(path)
+    cfg = gguf_config(gf, path, **overrides)
+    tensors = gf.tensors
 
     def get(hf_name: str) -> np.ndarray:
         if hf_name == "model.embed_tokens.weight":

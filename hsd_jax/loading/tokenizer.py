@@ -5,7 +5,7 @@ A HF directory has a `tokenizer.json`: `AutoTokenizer.from_pretrained` reads it 
 A GGUF has no `tokenizer.json`, only llama.cpp metadata (`tokenizer.ggml.*`). transformers can
 build a tokenizer from it, but its GGUF reader imports torch. For byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`: SmolLM2, Llama 3, ...) we build the same `tokenizers` object
-here from the `gguf` reader, mirroring transformers' GGUF conversion
+here from the GGUF metadata (`loading/gguf_file.py`), mirroring transformers' GGUF conversion
 (`transformers/integrations/gguf/gguf_tokenizer_mapping.py`: `byte_level_tokenizer`,
 `add_gguf_special_tokens`, `set_split_regex`, on top of `GPT2Tokenizer`), and wrap it in a
 `PreTrainedTokenizerFast` with the file's chat template and special tokens, so callers see the
@@ -18,6 +18,7 @@ import functools
 import os
 
 from hsd_jax.loading.errors import ModelLoadError
+from hsd_jax.loading.gguf_file import read_gguf
 
 # llama.cpp token types (gguf.TokenType)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -86,37 +87,29 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 def gguf_tokenizer(path: str):
     """The tokenizer a GGUF's metadata describes, as a `PreTrainedTokenizerFast`."""
-    import gguf
+    fields = read_gguf(path).fields
 
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"GGUF file not found: {path}")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
-    kind = _field(reader, "tokenizer.ggml.model")
+    def _field(key, default=None):
+        return fields.get(key, default)
+
+    kind = _field("tokenizer.ggml.model")
     if kind != "gpt2":
         return _transformers_gguf_tokenizer(path, kind)
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = _field(reader, "tokenizer.ggml.merges")
+    tokens = _field("tokenizer.ggml.tokens")
+    merges = _field("tokenizer.ggml.merges")
     if not tokens or merges is None:
         raise ModelLoadError(f"{path}: no tokenizer.ggml.tokens / merges in the metadata")
     return build_byte_level_tokenizer(
-        tokens, merges, token_types=_field(reader, "tokenizer.ggml.token_type"),
-        pre=_field(reader, "tokenizer.ggml.pre"),
-        special_ids={name: _field(reader, f"tokenizer.ggml.{key}") for name, key in
+        tokens, merges, token_types=_field("tokenizer.ggml.token_type"),
+        pre=_field("tokenizer.ggml.pre"),
+        special_ids={name: _field(f"tokenizer.ggml.{key}") for name, key in
                      (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                       ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))},
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+        chat_template=_field("tokenizer.chat_template"),
+        add_bos_token=bool(_field("tokenizer.ggml.add_bos_token", False)),
+        add_eos_token=bool(_field("tokenizer.ggml.add_eos_token", False)),
         name_or_path=os.path.dirname(path))
 
 
