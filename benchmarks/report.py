@@ -1,6 +1,7 @@
 """Markdown tables for BENCHMARKS.md from a folder of `hsd bench` / acceptance JSON results.
 
     python benchmarks/report.py benchmarks/results/cpu-2cores > report.md
+    python benchmarks/report.py --hybrid benchmarks/results/cpu-2cores/lookup_hybrid   # + hybrid.png
 """
 from __future__ import annotations
 
@@ -56,7 +57,64 @@ def acceptance_table(r: dict) -> str:
     return "\n".join(rows)
 
 
+def hybrid_table(results: dict[str, dict]) -> str:
+    """Per suite: tau and speedup of every method, and the hybrid's tau over its base method's."""
+    runs = list(results.values())
+    names = [n for n in runs[0]["methods"] if n != "ar"]
+    hybrids = [n for n in names if "+lookup" in n and n.split("+")[0] in names]
+    head = ("| suite | prompts | ar tok/s | " + " | ".join(f"{n}: tau / speedup" for n in names)
+            + "".join(f" | {h} tau / {h.split('+')[0]} tau" for h in hybrids) + " | all identical |")
+    rows = [head, "|" + " --- |" * (4 + len(names) + len(hybrids))]
+    for r in runs:
+        m = r["methods"]
+        cells = " | ".join(f"{m[n]['tau']:.2f} / {m[n]['speedup_vs_ar']:.2f}x" for n in names)
+        ratios = "".join(f" | {m[h]['tau'] / m[h.split('+')[0]]['tau']:.2f}x" for h in hybrids)
+        same = all(m[n]["identical_to_ar"] for n in names)
+        rows.append(f"| {r['suite']} | {r['num_prompts']} | {m['ar']['tokens_per_s']:.1f} | {cells}{ratios} | {same} |")
+    return "\n".join(rows)
+
+
+def hybrid_plot(results: dict[str, dict], path: str) -> None:
+    """Grouped bars per suite: tau and speedup vs ar of every method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    runs = list(results.values())
+    names = [n for n in runs[0]["methods"] if n != "ar"]
+    suites = [r["suite"].replace("spec_bench:", "") for r in runs]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(names)
+    for ax, key, label in ((axes[0], "tau", "tau (tokens per verify round)"),
+                           (axes[1], "speedup_vs_ar", "speedup vs ar (tokens/s)")):
+        for i, n in enumerate(names):
+            ax.bar(np.arange(len(runs)) + i * width, [r["methods"][n][key] for r in runs], width, label=n)
+        ax.set_xticks(np.arange(len(runs)) + width * (len(names) - 1) / 2, suites, rotation=30, ha="right")
+        ax.set_ylabel(label)
+        if key == "speedup_vs_ar":
+            ax.axhline(1.0, color="k", lw=0.8)
+    axes[0].legend()
+    m = runs[0]["machine"]
+    fig.suptitle(f"prompt lookup in the draft tree, T=0, batch 1 ({m['backend']}, {m.get('cpu_count')} cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--hybrid"]:
+        folder = sys.argv[2]
+        results = _load(folder)
+        text = hybrid_table(results) + "\n"
+        with open(os.path.join(folder, "report.md"), "w") as f:
+            f.write(text)
+        print(text)
+        try:
+            hybrid_plot(results, os.path.join(folder, "hybrid.png"))
+        except ImportError:
+            print("matplotlib is not installed: no figure (pip install -e '.[plot]')")
+        return
     folder = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results"
     results = _load(folder)
     parts = []

@@ -30,10 +30,11 @@ import statistics
 from typing import Callable
 
 from hsd_jax.api import PROMPT_BUCKET
-from hsd_jax.methods import METHODS, REGISTRY
+from hsd_jax.methods import METHODS, REGISTRY, TREE_METHODS
 
 HSD_REUSE = {"hsd-noreuse": "none", "hsd-refresh": "refresh", "hsd-chain": "chain"}
 METHOD_NAMES = METHODS + tuple(HSD_REUSE)
+HYBRID_LOOKUP_SLOTS = 4   # "hsd+lookup": a tree method with this many prompt-lookup nodes ("hsd+lookup6": 6)
 
 
 class BenchError(ValueError):
@@ -41,7 +42,15 @@ class BenchError(ValueError):
 
 
 def method_spec(name: str) -> tuple[str, dict]:
-    """(engine method, options) of a bench method name."""
+    """(engine method, options) of a bench method name: a method, an hsd reuse variant
+    (`hsd-chain`), or either with prompt-lookup nodes (`hsd+lookup`, `eagle+lookup6`)."""
+    base, plus, extra = name.partition("+lookup")
+    if plus:
+        method, opts = method_spec(base)
+        if (extra and not extra.isdigit()) or method not in TREE_METHODS:
+            raise BenchError(f"{name!r}: METHOD+lookup[M] needs a tree method ({', '.join(TREE_METHODS)}) "
+                             "and a whole number M")
+        return method, dict(opts, lookup_slots=int(extra or HYBRID_LOOKUP_SLOTS))
     if name not in METHOD_NAMES:
         raise BenchError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")
     if name in HSD_REUSE:
@@ -73,7 +82,7 @@ def make_runner(target, name: str, drafter=None, *, options: dict | None = None,
     if method == "ar":
         options = {}
     else:
-        unread = {"tree_nodes", "tree_depth", "tree_top_k", "gamma", "reuse"} - REGISTRY[method].options
+        unread = {"tree_nodes", "tree_depth", "tree_top_k", "gamma", "reuse", "lookup_slots"} - REGISTRY[method].options
         options = {k: v for k, v in options.items() if k not in unread}
         options.update(forced)
 

@@ -51,6 +51,8 @@ def _add_tree_args(p):
     p.add_argument("--top-k", type=int, default=None,
                    help=f"tree branching: children per expanded node (default {SpecConfig.tree_top_k})")
     p.add_argument("--gamma", type=int, default=None, help=f"sd: draft chain length (default {SpecConfig.gamma})")
+    p.add_argument("--lookup-slots", type=int, default=None, metavar="M",
+                   help="tree methods: add M prompt-lookup nodes to each round's tree (default 0)")
     p.add_argument("--tuned", action="store_true",
                    help="use the tree (and hsd reuse) `hsd tune` chose for this hardware, model and drafter; "
                         "explicit tree flags still win")
@@ -60,7 +62,7 @@ def _spec_options(a, method: str) -> dict:
     """The speculative options given on the command line, checked now (before any model loads)
     by the same `SpecConfig` that `generate` builds."""
     given = {"tree_nodes": a.tree_nodes, "tree_depth": a.tree_depth, "tree_top_k": a.top_k, "gamma": a.gamma,
-             "reuse": getattr(a, "reuse", None)}
+             "lookup_slots": a.lookup_slots, "reuse": getattr(a, "reuse", None)}
     opts = {k: v for k, v in given.items() if v is not None}
     if method != "ar":
         SpecConfig(method=method, **opts)
@@ -223,10 +225,12 @@ def cmd_train(a) -> int:
 
 def _add_bench(sub):
     p = sub.add_parser("bench", help="methods side by side on a prompt suite: tau, tokens/s, speedup vs ar")
-    p.add_argument("--suite", default="mt_bench", help="mt_bench|humaneval|gsm8k|alpaca|sum|qa|spec_bench|PATH.jsonl")
+    p.add_argument("--suite", default="mt_bench",
+                   help="mt_bench|humaneval|gsm8k|alpaca|sum|qa|spec_bench[:CATEGORY]|PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--methods", default="ar,sd,eagle,hsd", help="comma list of " + ",".join(METHOD_NAMES) +
-                   " (hsd: the default or tuned reuse policy; hsd-noreuse/-refresh/-chain force none / refresh / chain)")
+                   " (hsd: the default or tuned reuse policy; hsd-noreuse/-refresh/-chain force none / refresh / chain;"
+                   " a tree method +lookup[M], e.g. hsd+lookup or eagle+lookup6: with M prompt-lookup nodes, default 4)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -297,12 +301,20 @@ def _add_tune(sub):
     p.add_argument("--num-prompts", type=int, default=8,
                    help="GSM8K-train prompts (never evaluation suites); the tree grid runs on half of them")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--lookup-slots", default="0,4", metavar="M,M",
+                   help="prompt-lookup node counts tried with each finalist tree (default 0,4)")
     p.set_defaults(func=cmd_tune)
 
 
 def cmd_tune(a) -> int:
     if a.num_prompts < 1 or a.max_new_tokens < 1:
         raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
+    try:
+        lookup = tuple(sorted({int(m) for m in a.lookup_slots.split(",")}))
+    except ValueError:
+        lookup = (-1,)
+    if not lookup or lookup[0] < 0:
+        raise UsageError(f"--lookup-slots expects whole numbers >= 0 separated by commas, got {a.lookup_slots!r}")
     _check_model(a.model)
     from hsd_jax.api import PROMPT_BUCKET, load_drafter, load_target, round_up
     from hsd_jax.train.data import gsm8k_questions
@@ -315,8 +327,9 @@ def cmd_tune(a) -> int:
         ids = target.encode(q, chat=True)
         by_bucket.setdefault(round_up(len(ids), PROMPT_BUCKET), []).append(ids)
     prompts = max(by_bucket.values(), key=len)[: a.num_prompts]  # one padded length: one compile per tree
-    report = tune(target, drafter, prompts, max_new_tokens=a.max_new_tokens)
-    print(json.dumps({k: report[k] for k in ("hardware", "tree", "expected_tokens_per_s", "ar_tokens_per_s", "path")}))
+    report = tune(target, drafter, prompts, max_new_tokens=a.max_new_tokens, lookup_slots=lookup)
+    print(json.dumps({k: report[k] for k in ("hardware", "tree", "lookup_slots", "expected_tokens_per_s",
+                                                  "ar_tokens_per_s", "path")}))
     return 0
 
 

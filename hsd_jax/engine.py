@@ -94,7 +94,8 @@ REUSE_POLICIES = ("none", "chain", "refresh")
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Static shape of a speculative round. `tree_nodes` counts draft nodes (the root excluded);
-    tree methods read tree_*, chain methods (sd) gamma; reuse is HSD's."""
+    tree methods read tree_*, chain methods (sd) gamma; reuse is HSD's. `lookup_slots` M > 0
+    adds M prompt-lookup nodes to a tree method's tree, verified in the same forward."""
 
     method: str = "hsd"
     reuse: str = "none"   # measured: none >= refresh in tau everywhere, refresh saves drafter steps (BENCHMARKS.md)
@@ -102,6 +103,7 @@ class SpecConfig:
     tree_depth: int = 4
     tree_top_k: int = 3
     gamma: int = 4
+    lookup_slots: int = 0
 
     def __post_init__(self):
         if self.method not in methods.REGISTRY:
@@ -118,6 +120,11 @@ class SpecConfig:
                                   f"{self.tree_depth} and tree_top_k {self.tree_top_k} produce")
             if self.tree_nodes < self.tree_depth:
                 raise ConfigError(f"tree_nodes {self.tree_nodes} cannot reach depth {self.tree_depth}")
+        if self.lookup_slots < 0:
+            raise ConfigError(f"lookup_slots must be >= 0, got {self.lookup_slots}")
+        if self.lookup_slots and not self.drafts_tree:
+            raise ConfigError(f"lookup_slots adds prompt-lookup nodes to a draft tree; method {self.method!r} "
+                              "drafts a chain")
 
     @property
     def drafts_tree(self) -> bool:
@@ -129,13 +136,23 @@ class SpecConfig:
 
     @property
     def slots(self) -> int:
-        """Tokens in one verify forward: the root plus the draft nodes."""
+        """Slots of the method's own draft: the root plus the draft nodes."""
         return (self.tree_nodes if self.drafts_tree else self.gamma) + 1
+
+    @property
+    def verify_slots(self) -> int:
+        """Tokens in one verify forward: the method's draft and the lookup nodes."""
+        return self.slots + self.lookup_slots
+
+    @property
+    def verify_depth(self) -> int:
+        """The most draft tokens one round can accept."""
+        return self.depth + self.lookup_slots
 
     @property
     def cache_slack(self) -> int:
         """Cache slots a round may touch past the committed length (verify tree, overshoot, drafter scratch)."""
-        return max(self.slots + self.depth + 1, methods.REGISTRY[self.method].scratch(self))
+        return max(self.verify_slots + self.verify_depth + 1, methods.REGISTRY[self.method].scratch(self))
 
 
 class SpecStats(NamedTuple):
@@ -183,7 +200,7 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
     committed, and the method updates its state."""
     method = methods.REGISTRY[spec.method]
     b = prompt_tokens.shape[0]
-    depth = spec.depth
+    depth = spec.verify_depth
     tcache = init_cache(tcfg.num_layers, b, tcfg.num_kv_heads, capacity, tcfg.head_dim, jnp_dtype(tcfg))
     logits, out = prefill(tparams, tcfg, prompt_tokens, prompt_lens, tcache)
     key, sub = jax.random.split(key)
@@ -201,7 +218,10 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
     def body(s: SpecLoop) -> SpecLoop:
         live = ~s.done
         key, k_draft, k_acc = jax.random.split(s.key, 3)
-        draft = method.draft(rnd, s.dstate, s.root, methods.History(s.tokens, s.count), k_draft)
+        history = methods.History(s.tokens, s.count)
+        draft = method.draft(rnd, s.dstate, s.root, history, k_draft)
+        if spec.lookup_slots:
+            draft = draft._replace(tree=methods.lookup.attach(rnd, draft.tree, history, spec.lookup_slots))
         logits, vout = verify_tree(tparams, tcfg, s.tcache, draft.tree)
         acc = accept(draft.tree, logits, k_acc, sampling, draft.chain)
         tcache = commit(vout.cache, acc, live)

@@ -299,6 +299,31 @@ def grow_tree(first, children, root_tokens: jax.Array, spec, root_context: jax.A
     return dynamic_tree(depth_tokens, depth_scores, depth_parents, root_tokens, spec.slots)
 
 
+def attach_chain(tree: Tree, chain_tokens: jax.Array, m: int) -> Tree:
+    """The tree plus `m` slots that continue a deterministic chain proposal (prompt lookup).
+
+    chain_tokens [B, D + m] (D = tree.max_depth) is the proposed continuation of the root. It is
+    merged where it fits: the new slots hang below the deepest existing node whose path spells
+    the chain's prefix and hold the chain's next m tokens, so shared prefixes are not repeated
+    and no path appears twice. New slots follow every existing slot (parents still precede
+    children; slots are no longer sorted by depth) and score 0. Depth grows to D + m."""
+    b, t = tree.tokens.shape
+    d = tree.max_depth
+    if chain_tokens.shape != (b, d + m):
+        raise ValueError(f"attach_chain: chain tokens must be [B={b}, {d + m}], got {chain_tokens.shape}")
+    on_path = jnp.take_along_axis(tree.tokens[:, :, None], jnp.maximum(tree.paths, 0), 1)   # [B, T, D+1]
+    same = (tree.paths[:, :, 1:] < 0) | (on_path[:, :, 1:] == chain_tokens[:, None, :d])
+    spells = jnp.all(same, -1)                                                           # root always
+    deepest = jnp.argmax(jnp.where(spells, tree.depth, -1), -1).astype(jnp.int32)        # lowest slot on ties
+    start = jnp.take_along_axis(tree.depth, deepest[:, None], 1)                         # [B, 1]
+    new_tokens = jnp.take_along_axis(chain_tokens, start + jnp.arange(m)[None, :], 1)
+    new_parents = jnp.concatenate([deepest[:, None], jnp.broadcast_to(t + jnp.arange(m - 1), (b, m - 1))], 1)
+    tokens = jnp.concatenate([tree.tokens, new_tokens.astype(jnp.int32)], 1)
+    parents = jnp.concatenate([tree.parents, new_parents.astype(jnp.int32)], 1)
+    scores = jnp.concatenate([tree.scores, jnp.zeros((b, m), jnp.float32)], 1)
+    return build_tree(tokens, parents, scores, d + m)
+
+
 # ---------------------------------------------------------------------------
 # Walks
 # ---------------------------------------------------------------------------
@@ -369,7 +394,8 @@ def reference_structure(parents: np.ndarray, max_depth: int) -> dict[str, np.nda
 
 
 def check_tree(tree: Tree, score_order: bool = True) -> None:
-    """Assert every Tree invariant (numpy); score_order also checks score-descending slots per depth."""
+    """Assert every Tree invariant (numpy); score_order also checks that slots are sorted by depth
+    and by descending score within a depth (what the builders produce; `attach_chain` does not)."""
     t = jax.tree.map(np.asarray, tree)
     batch, num_slots = t.tokens.shape
     max_depth = t.paths.shape[-1] - 1
@@ -382,9 +408,9 @@ def check_tree(tree: Tree, score_order: bool = True) -> None:
         for i in range(1, num_slots):
             assert 0 <= par[i] < i, f"slot {i}: parent {par[i]} must precede it"
             assert dep[i] == dep[par[i]] + 1, f"slot {i}: depth {dep[i]} != parent depth + 1"
-        assert np.all(np.diff(dep) >= 0), "slots not sorted by depth"
         assert dep.max() <= max_depth, "depth exceeds paths width"
         if score_order:
+            assert np.all(np.diff(dep) >= 0), "slots not sorted by depth"
             same = dep[1:] == dep[:-1]
             assert np.all(t.scores[b, 1:][same] <= t.scores[b, :-1][same]), "scores not descending within a depth"
         ref = reference_structure(par, max_depth)

@@ -100,14 +100,15 @@ def _summary(runs: list[tuple], ar_runs: list[tuple] | None = None) -> dict:
 
 
 def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None = None, max_new_tokens: int = 64,
-         finalists: int = 4, curve: dict[int, float] | None = None, tuned_dir: str | None = None,
-         log=print) -> dict:
-    """Pick the tree (and for HSD the reuse policy) with the most tokens/s at batch 1, store it
-    for this hardware, target and drafter (`hsd_jax.tuning`); returns the report.
+         finalists: int = 4, lookup_slots: tuple[int, ...] = (0, 4), curve: dict[int, float] | None = None,
+         tuned_dir: str | None = None, log=print) -> dict:
+    """Pick the tree (for HSD also the reuse policy, and the number of prompt-lookup nodes) with
+    the most tokens/s at batch 1, store it for this hardware, target and drafter
+    (`hsd_jax.tuning`); returns the report.
 
     Stage 1 runs every tree of the grid on the first half of `prompts` (at least 2); stage 2
-    reruns the `finalists` fastest trees (x every reuse policy for HSD) interleaved with ar on
-    all `prompts`, and the median speedup over prompts decides. `curve`: a verify-cost curve
+    reruns the `finalists` fastest trees (x every reuse policy for HSD, x every `lookup_slots`)
+    interleaved with ar on all `prompts`, and the median speedup over prompts decides. `curve`: a verify-cost curve
     already measured (`verify_cost_curve`), else it is measured first. `tuned_dir`: where the
     result goes (default: `tuning.cache_dir()`, where `generate(..., tuned=True)` looks)."""
     curve = curve or verify_cost_curve(target)
@@ -129,8 +130,9 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
     variants = {"ar": {}}
     for tree in top:
         for reuse in policies:
-            name = "/".join(str(tree[k]) for k in keys) + (f" {reuse}" if reuse else "")
-            variants[name] = dict(kw, **tree, **({"reuse": reuse} if reuse else {}))
+            for m in lookup_slots:
+                name = "/".join(str(tree[k]) for k in keys) + (f" {reuse}" if reuse else "") + (f" +lookup{m}" if m else "")
+                variants[name] = dict(kw, **tree, **({"reuse": reuse} if reuse else {}), lookup_slots=m)
     log(f"stage 2: {len(variants) - 1} finalists interleaved with ar on {len(prompts)} prompts")
     runs = _interleaved(target, prompts, max_new_tokens, variants)
     final = {name: _summary(r, runs["ar"]) for name, r in runs.items()}
@@ -142,7 +144,7 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
               "expected_tokens_per_s": final[best]["tokens_per_s"], "ar_tokens_per_s": final["ar"]["tokens_per_s"],
               "expected_speedup": final[best]["speedup_vs_ar"], "verify_cost_ms": curve, "grid": rows,
               "finalists": final, "acceptance_by_depth": by_depth, "method": drafter.kind, "num_prompts": len(prompts),
-              "max_new_tokens": max_new_tokens}
+              "max_new_tokens": max_new_tokens, "lookup_slots": choice["lookup_slots"]}
     if "reuse" in choice:
         report["reuse"] = choice["reuse"]
     report["path"] = save_tuned(report, target, drafter, tuned_dir)

@@ -75,14 +75,14 @@ def load_tuned(target, drafter, folder: str | None = None) -> dict | None:
 
 
 def tuned_options(method: str, target, drafter, folder: str | None = None) -> dict:
-    """The tree (and for hsd the reuse policy) `hsd tune` chose for this hardware, target and
-    drafter; a clear error when it was never run for them."""
+    """The tree, lookup nodes (and for hsd the reuse policy) `hsd tune` chose for this hardware,
+    target and drafter; a clear error when it was never run for them."""
     report = load_tuned(target, drafter, folder)
     if report is None:
         raise InputError(f"no tuned tree for {method} on this hardware ({hardware_key()}), target and drafter: "
                          f"run `hsd tune --method {method}` first (it writes {tuned_path(target, drafter, folder)}), "
                          "or drop tuned=True to use the defaults")
-    opts = dict(report["tree"])
+    opts = dict(report["tree"], lookup_slots=report.get("lookup_slots", 0))
     if method == "hsd" and "reuse" in report:
         opts["reuse"] = report["reuse"]
     return opts

@@ -82,3 +82,20 @@ def test_bench_cli_writes_json_and_plot(tmp_path):
     res = json.loads(out.read_text())
     assert res["methods"]["hsd"]["identical_to_ar"] is True and res["options"]["tree_nodes"] == 4
     assert fig.stat().st_size > 10_000
+
+
+def test_hybrid_method_names_carry_lookup_slots():
+    from hsd_jax.bench import BenchError, method_spec
+
+    assert method_spec("hsd+lookup") == ("hsd", {"lookup_slots": 4})
+    assert method_spec("hsd-chain+lookup6") == ("hsd", {"reuse": "chain", "lookup_slots": 6})
+    assert method_spec("eagle+lookup2") == ("eagle", {"lookup_slots": 2})
+    for bad in ("sd+lookup", "lookup+lookup", "hsd+lookupx", "ar+lookup"):
+        with pytest.raises(BenchError, match="tree method"):
+            method_spec(bad)
+    tgt = tiny_target(vocab=64)
+    run = make_runner(tgt, "hsd+lookup2", load_drafter("hsd", target=tgt, random_init=True),
+                      options=dict(tree_nodes=4, tree_depth=2, tree_top_k=2, gamma=3, lookup_slots=7))
+    assert run.options == dict(tree_nodes=4, tree_depth=2, tree_top_k=2, lookup_slots=2)   # the name wins
+    plain = make_runner(tgt, "lookup", None, options=dict(tree_nodes=4, gamma=3, lookup_slots=7))
+    assert plain.options == dict(gamma=3)                                     # a chain method reads gamma only

@@ -66,6 +66,8 @@ def test_bad_config_values_are_refused():
     (["--prompt", "hi", "--method", "hsd", "--tree-nodes", "0"], "tree_nodes must be >= 1"),
     (["--prompt", "hi", "--method", "hsd", "--tree-nodes", "40", "--tree-depth", "2", "--top-k", "2"],
      "exceeds the 6 candidates"),
+    (["--prompt", "hi", "--method", "sd", "--lookup-slots", "2"], "drafts a chain"),
+    (["--prompt", "hi", "--method", "hsd", "--lookup-slots", "-1"], "lookup_slots must be >= 0"),
     (["--prompt", "hi", "--drafter", "."], "need a speculative --method"),
     (["--prompt", "hi", "--model", "no-such-model"], "unknown model"),
     (["--prompt", "hi", "--mesh", "2"], "DATAxMODEL"),

@@ -60,3 +60,25 @@ def test_lookup_is_lossless_and_free_and_drafts_well_on_copy_heavy_text():
     assert [r.token_ids for r in narrow] == ref
     with pytest.raises(ConfigError, match="min_ngram <= max_ngram"):
         LookupConfig(max_ngram=1, min_ngram=2)
+
+
+def test_lookup_slots_join_a_learned_tree_losslessly_and_accept_more_on_copy_heavy_text():
+    """hsd / eagle with M lookup nodes in the same verify forward: identical to ar, and on text
+    that repeats itself the lookup nodes carry a random drafter's tree far past its own depth."""
+    tgt = bigram_target()
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 64, size=9).tolist(), [5, 9]]
+    ref = [r.token_ids for r in generate(tgt, prompts, max_new_tokens=48)]
+    shape = dict(tree_nodes=4, tree_depth=2, tree_top_k=2)
+    for kind in ("hsd", "eagle"):
+        d = load_drafter(kind, target=tgt, random_init=True, seed=3)
+        alone = generate(tgt, prompts, max_new_tokens=48, method=kind, drafter=d, **shape)
+        hybrid = generate(tgt, prompts, max_new_tokens=48, method=kind, drafter=d, lookup_slots=4, **shape)
+        assert [r.token_ids for r in alone] == [r.token_ids for r in hybrid] == ref
+        for a, h in zip(alone, hybrid):
+            assert h.stats["lookup_slots"] == 4 and len(h.stats["accepted_hist"]) == 2 + 4 + 1
+            assert h.stats["tau"] > 2.5 > a.stats["tau"], (kind, a.stats["tau"], h.stats["tau"])
+            assert h.stats["drafter_forwards"] <= a.stats["drafter_forwards"]
+    with pytest.raises(ConfigError, match="drafts a chain"):
+        generate(tgt, prompts, max_new_tokens=4, method="sd", drafter=load_drafter("sd", target=tgt, random_init=True),
+                 lookup_slots=2)

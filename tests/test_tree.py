@@ -347,3 +347,27 @@ def test_eager_matches_jit_and_single_slot_trees():
     n, path, last = jit_walk(root_only, jnp.zeros((2, 1), jnp.int32))
     np.testing.assert_array_equal(n, [0, 0]), np.testing.assert_array_equal(last, [0, 0])
     np.testing.assert_array_equal(path, [[0, -1, -1, -1]] * 2)
+
+
+def test_attach_chain_hangs_the_chain_below_its_longest_spelled_prefix():
+    # root(9) -> a:1 -> c:3 ; root -> b:2 -> d:4 ; depth 2
+    t = tr.build_tree(jnp.array([[9, 1, 2, 3, 4]] * 4), jnp.array([[-1, 0, 0, 1, 2]] * 4),
+                      jnp.zeros((4, 5)), 2)
+    chains = jnp.array([[1, 3, 7, 8, 6],    # spells root-a-c: hang below c (slot 3)
+                        [2, 5, 7, 8, 6],    # spells root-b only: below b (slot 2), from token 5
+                        [6, 6, 7, 8, 6],    # spells nothing: below the root
+                        [2, 4, 2, 4, 2]])   # full match then continues
+    out = jax.jit(tr.attach_chain, static_argnums=2)(t, chains, 3)
+    tr.check_tree(out, score_order=False)
+    assert out.max_depth == 5 and out.num_slots == 8
+    assert np.asarray(out.parents)[:, 5:].tolist() == [[3, 5, 6], [2, 5, 6], [0, 5, 6], [4, 5, 6]]
+    assert np.asarray(out.tokens)[:, 5:].tolist() == [[7, 8, 6], [5, 7, 8], [6, 6, 7], [2, 4, 2]]
+    # no node has two children with the same token: every root-to-node token path is distinct
+    for b in range(4):
+        par, tok = np.asarray(out.parents[b]), np.asarray(out.tokens[b])
+        kids = [(int(par[i]), int(tok[i])) for i in range(1, 8)]
+        assert len(set(kids)) == len(kids)
+    # greedy walk follows the merged chain: a target that wants 1,3,7,8,6 accepts all five
+    want = jnp.array([[1, 3, 9, 7, 9, 8, 6, 0]])
+    m, path, _ = tr.greedy_walk(jax.tree.map(lambda x: x[:1], out), want)
+    assert int(m[0]) == 5 and np.asarray(path)[0].tolist() == [0, 1, 3, 5, 6, 7]

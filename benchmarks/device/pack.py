@@ -67,13 +67,14 @@ class Sizes:
     bench_bucket: int = 512          # MT-bench chat prompts reach 402 tokens: one compile per method
     bench_tree: tuple = (24, 6, 4)   # nodes, depth, top-k
     bench_batch8_methods: str = "ar,eagle,hsd-noreuse,hsd-refresh,hsd-chain"
-    bench_batch1_methods: str = "ar,sd,eagle,hsd-noreuse,hsd-chain,ngram"
+    bench_batch1_methods: str = "ar,sd,eagle,hsd-noreuse,hsd-chain,ngram,lookup,hsd+lookup"
     identity_prompts: int = 16
     identity_always: bool = False    # run the float32 identity check even when bf16 kept identity
     tune_sizes: tuple = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
     tune_grid: tuple = ((8, 4, 3), (24, 6, 4), (48, 6, 8))
     tune_prompts: int = 4
     tune_finalists: int = 2
+    tune_lookup: tuple = (0, 4)      # prompt-lookup nodes tried with each finalist
     tune_new_tokens: int = 64
     kernel_n: tuple = (1, 2, 4, 8, 16, 32, 64)
     kernel_seq: tuple = (512, 1024, 2048, 4096)
@@ -87,7 +88,7 @@ DRY = Sizes(gen_batch=4, gen_new_tokens=8, gen_prompt_tokens=96, gen_bucket=32, 
             train_batch=2, train_window=48, train_unroll=2, train_ce_positions=8, train_steps=3, train_vocab=256,
             feature_batch=2, bench_prompts=2, bench_new_tokens=6, bench_bucket=32, bench_tree=(3, 2, 2),
             bench_batch8_methods="ar,hsd-refresh", bench_batch1_methods="ar,eagle",
-            identity_prompts=2, identity_always=True, tune_sizes=(1, 2), tune_grid=((2, 2, 1),), tune_prompts=2, tune_finalists=1, tune_new_tokens=4, train_overhead_s=2.0,
+            identity_prompts=2, identity_always=True, tune_sizes=(1, 2), tune_grid=((2, 2, 1),), tune_prompts=2, tune_finalists=1, tune_new_tokens=4, tune_lookup=(0,), train_overhead_s=2.0,
             kernel_n=(1, 4), kernel_seq=(256,), kernel_repeats=2, kernel_batch=2, max_cache_len=256)
 
 
@@ -254,6 +255,7 @@ def _drafters(args, target) -> dict:
         shipped = ROOT / "hsd_jax" / "drafters" / "smollm2-135m" / kind  # the staged GGUF is the embedded model
         path = str(trained if (trained / "drafter.json").is_file() else shipped)
         out[kind] = (load_drafter(kind, path, target=target), path)
+    out["lookup"] = (load_drafter("lookup", target=target), "built-in")
     return out
 
 
@@ -306,6 +308,7 @@ def _identity_f32(args, ids, tree, methods: str) -> dict:
 def _identity(args, ids, tree, methods: str) -> dict:
     from hsd_jax import generate
     from hsd_jax.bench import method_spec
+    from hsd_jax.methods import REGISTRY
 
     target = load_target(args, dtype="float32")
     drafters = _drafters(args, target)
@@ -314,7 +317,7 @@ def _identity(args, ids, tree, methods: str) -> dict:
     out = {"prompts": len(ids)}
     for name in (m for m in methods.split(",") if m != "ar"):
         kind, opts = method_spec(name)
-        opts = dict(opts, **({"gamma": 4} if kind == "sd" else tree))
+        opts = dict(opts, **({"gamma": 4} if REGISTRY[kind].drafts == "chain" else tree))
         res = generate(target, ids, max_new_tokens=s.bench_new_tokens, method=kind, drafter=drafters[kind][0], **opts)
         out[name] = [r.token_ids for r in res] == ar
     log(f"identity in float32: {out}")
@@ -341,10 +344,10 @@ def part_tune(args, deadline: float) -> dict:
     prompts = max(by_len.values(), key=len)[: s.tune_prompts]
     grid = [dict(tree_nodes=n, tree_depth=d, tree_top_k=k) for n, d, k in s.tune_grid]
     report = tune_mod.tune(target, drafter, prompts, grid=grid, max_new_tokens=s.tune_new_tokens, finalists=s.tune_finalists,
-                           curve=curve, tuned_dir=str(args.work / "tuned"), log=log)
+                           lookup_slots=s.tune_lookup, curve=curve, tuned_dir=str(args.work / "tuned"), log=log)
     report["drafter"] = path
     write_json(args.out / "tuned.json", report)
-    out["tuned"] = {k: report[k] for k in ("hardware", "tree", "reuse", "expected_speedup", "expected_tokens_per_s",
+    out["tuned"] = {k: report[k] for k in ("hardware", "tree", "reuse", "lookup_slots", "expected_speedup", "expected_tokens_per_s",
                                            "ar_tokens_per_s", "acceptance_by_depth") if k in report}
     return out
 

@@ -98,5 +98,5 @@ class Method:
     @property
     def options(self) -> frozenset:
         """The speculative options (SpecConfig fields) this method reads."""
-        shape = {"tree_nodes", "tree_depth", "tree_top_k"} if self.drafts == "tree" else {"gamma"}
+        shape = {"tree_nodes", "tree_depth", "tree_top_k", "lookup_slots"} if self.drafts == "tree" else {"gamma"}
         return frozenset(shape | ({"reuse"} if self.reuse else set()))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from hsd_jax.config import _require
 from hsd_jax.methods.base import Draft, DrafterKind, Method
-from hsd_jax.tree import chain_tree
+from hsd_jax.tree import Tree, attach_chain, chain_tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,17 @@ def draft(rnd, state: State, root, history, key) -> Draft:
                                      history.count)
     toks, _ = lookup_chain(seq, length, rnd.spec.gamma, rnd.dcfg.max_ngram, rnd.dcfg.min_ngram)
     return Draft(chain_tree(toks, root), state, jnp.zeros((rnd.batch,), jnp.int32))
+
+
+def attach(rnd, tree: Tree, history, m: int) -> Tree:
+    """Another method's tree with `m` lookup nodes merged in (`SpecConfig.lookup_slots`): the
+    lookup continuation with the default n-grams, hung below the tree's node that spells its
+    prefix. Deterministic drafts, so the tree acceptance rule stays exactly lossless."""
+    seq, length = committed_sequence(rnd.prompt_tokens, rnd.prompt_lens.astype(jnp.int32), history.tokens,
+                                     history.count)
+    cfg = LookupConfig()
+    toks, _ = lookup_chain(seq, length, tree.max_depth + m, cfg.max_ngram, cfg.min_ngram)
+    return attach_chain(tree, toks, m)
 
 
 def update(rnd, state: State, drft: Draft, acc, vout, live):
