@@ -141,16 +141,33 @@ def pad_prompts(ids: list[list[int]], multiple: int = PROMPT_BUCKET) -> tuple[np
 _COMPILED: dict = {}
 
 
-def compiled(fn, args, static: dict):
-    """AOT-compile `fn` for these argument shapes once; returns (executable, compile seconds now)."""
+SMALL_PROGRAM_PARAMS = 1 << 20
+# XLA:CPU options for programs over tiny models: their steps take microseconds, so LLVM's
+# optimiser never pays back the ~40% of compile time it costs (tests, toy models).
+FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def compile_options(params) -> dict:
+    """XLA compiler options for a decode loop over `params`: FAST_COMPILE_OPTIONS for models under
+    SMALL_PROGRAM_PARAMS parameters on the CPU, none (XLA's defaults) otherwise."""
+    if jax.default_backend() != "cpu":
+        return {}
+    size = sum(int(np.prod(getattr(x, "shape", ()))) for x in jax.tree.leaves(params))
+    return dict(FAST_COMPILE_OPTIONS) if size < SMALL_PROGRAM_PARAMS else {}
+
+
+def compiled(fn, args, static: dict, options: dict | None = None):
+    """AOT-compile `fn` for these argument shapes once (with XLA compiler `options`); returns
+    (executable, compile seconds now)."""
     shapes = jax.tree.map(lambda a: (np.shape(a), str(getattr(a, "dtype", type(a))),
                                      str(getattr(a, "sharding", None))), args)
+    options = options or {}
     key = (fn, str(jax.tree.structure(args)), str(shapes), tuple(sorted(static.items())),
-           str(jax.sharding.get_abstract_mesh()))
+           str(jax.sharding.get_abstract_mesh()), tuple(sorted(options.items())))
     if key in _COMPILED:
         return _COMPILED[key], 0.0
     t0 = time.perf_counter()
-    exe = fn.lower(*args, **static).compile()
+    exe = fn.lower(*args, **static).compile(compiler_options=options or None)
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
 
@@ -327,7 +344,7 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
     if mesh is not None:
         args = _shard_args(args, mesh, target, drafter if spec is not None else None, len(ids))
     with sharding.use_mesh(mesh):
-        run, compile_s = compiled(fn, args, static)
+        run, compile_s = compiled(fn, args, static, compile_options(target.params))
         t0 = time.perf_counter()
         out = sharding.fetch(run(*args))
         elapsed = time.perf_counter() - t0
@@ -345,7 +362,8 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
                  "accepted_hist": hist, "seconds": elapsed, "compile_seconds": compile_s,
                  "tokens_per_s": n / elapsed if elapsed > 0 else 0.0}
         if spec is not None:
-            stats.update(reuse=spec.reuse, tree_nodes=spec.tree_nodes, tree_depth=spec.depth, tree_top_k=spec.tree_top_k)
+            stats.update(reuse=spec.reuse, tree_nodes=spec.tree_nodes, tree_depth=spec.depth, tree_top_k=spec.tree_top_k,
+                         lookup_slots=spec.lookup_slots)
         text = target.decode(new) if target.tokenizer is not None else ""
         results.append(GenerationResult(new, text, stats))
     return results

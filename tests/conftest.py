@@ -1,9 +1,27 @@
-"""Shared, session-scoped models: loading SmolLM2 (JAX and PyTorch) once for the whole suite."""
-import os
+"""Shared, session-scoped models: loading SmolLM2 (JAX and PyTorch) once for the whole suite, and
+one XLA compilation cache for the whole run.
 
+Most of the suite's time is XLA compiling decode loops, and many modules, subprocesses and
+notebook kernels compile the same programs (the same model at the same shapes). They share one
+persistent compilation cache: a fresh folder per run (so a run's time is a cold run's time), or
+the folder in JAX_COMPILATION_CACHE_DIR when the caller sets one (kept between runs)."""
+import atexit
+import os
+import shutil
+import tempfile
+
+import jax
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="hsd-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE         # subprocesses and kernels inherit it
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])   # if a plugin imported jax first
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +59,6 @@ def _fresh_compile_caches():
     """Drop compiled programs after each test module: the suite compiles hundreds of decode loops
     in one process, and holding every executable to the end grows memory without bound."""
     yield
-    import jax
-
     from hsd_jax import api
 
     api._COMPILED.clear()

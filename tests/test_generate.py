@@ -99,3 +99,23 @@ def test_bad_generate_input_is_refused(tiny, kwargs, message):
 def test_bad_sampling_config_is_refused(tiny):
     with pytest.raises(ConfigError, match="top_p"):
         generate(tiny, [[1, 2]], temperature=1.0, top_p=0.0)
+
+
+def test_tiny_models_compile_fast_and_large_ones_with_xla_defaults(tiny):
+    from hsd_jax import api
+
+    assert api.compile_options(tiny.params) == api.FAST_COMPILE_OPTIONS
+    big = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+    assert api.compile_options(big) == {}
+    # the fast options really reach XLA: the same loop compiled both ways gives the same tokens
+    prompts = [[3, 9, 27], [5]]
+    fast = generate(tiny, prompts, max_new_tokens=12)
+    api._COMPILED.clear()
+    try:
+        api.SMALL_PROGRAM_PARAMS, saved = 0, api.SMALL_PROGRAM_PARAMS
+        slow = generate(tiny, prompts, max_new_tokens=12)
+        assert api.compile_options(tiny.params) == {}
+    finally:
+        api.SMALL_PROGRAM_PARAMS = saved
+    assert [r.token_ids for r in fast] == [r.token_ids for r in slow]
+    assert slow[0].stats["compile_seconds"] > 0

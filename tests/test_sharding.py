@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -249,18 +250,42 @@ CHECKS = {"tiny": (check_generate, check_pallas, check_placement, check_training
           "smollm2": (check_smollm2,)}
 
 
-def run_child(which: str) -> dict:
+def start_child(which: str) -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), which], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")   # files: no pipe to fill up
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), which], env=env, cwd=ROOT, stdout=out,
+                            stderr=err, text=True)
+    proc.outputs = (out, err)
+    return proc
+
+
+def child_report(proc: subprocess.Popen) -> dict:
+    try:
+        proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    for f in proc.outputs:
+        f.seek(0)
+    out, err = (f.read() for f in proc.outputs)
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
-def report():
-    return run_child("tiny")
+def children():
+    """Both children start together: each spends most of its time compiling on one core."""
+    procs = {which: start_child(which) for which in CHECKS}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def report(children):
+    return child_report(children["tiny"])
 
 
 def test_eight_fake_devices(report):
@@ -324,8 +349,8 @@ def test_bad_mesh_errors_name_the_dimension(report):
 
 
 @pytest.mark.slow
-def test_smollm2_on_1x3_and_3x1_matches_single_device():
-    rep = run_child("smollm2")
+def test_smollm2_on_1x3_and_3x1_matches_single_device(children):
+    rep = child_report(children["smollm2"])
     assert rep["smollm2_1x3"] == {"ar": True, "hsd": True}
     assert rep["smollm2_3x1"] == {"ar": True, "hsd": True}
 

@@ -13,6 +13,7 @@ from tests.helpers import bigram_target, jax_logits, tiny_target, zero_layers
 
 METHODS = [("hsd", dict(reuse="none")), ("hsd", dict(reuse="chain")), ("hsd", dict(reuse="refresh")),
            ("eagle", {}), ("sd", {}), ("ngram", {}), ("lookup", {})]
+HYBRID = [("hsd", dict(lookup_slots=3)), ("eagle", dict(lookup_slots=2))]   # + prompt-lookup nodes
 
 
 def _chain(method):
@@ -31,7 +32,7 @@ def drafters(tiny):
     return {k: load_drafter(k, target=tiny, random_init=True, seed=1) for k in ("hsd", "eagle", "sd", "ngram", "lookup")}
 
 
-@pytest.mark.parametrize("method, opts", METHODS)
+@pytest.mark.parametrize("method, opts", METHODS + HYBRID)
 def test_greedy_equals_ar_on_random_prompts(tiny, drafters, method, opts):
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 64, size=n).tolist() for n in (1, 6, 13, 21)]
@@ -51,9 +52,10 @@ def test_greedy_equals_ar_on_random_prompts(tiny, drafters, method, opts):
 def test_batch_equals_one_by_one(tiny, drafters, method, opts):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 64, size=n).tolist() for n in (4, 19, 9)]
-    batched = generate(tiny, prompts, max_new_tokens=20, method=method, drafter=drafters[method], **opts)
+    kw = dict(max_new_tokens=20, method=method, drafter=drafters[method], prompt_bucket=32, **opts)  # one padded length
+    batched = generate(tiny, prompts, **kw)
     for p, r in zip(prompts, batched):
-        alone = generate(tiny, [p], max_new_tokens=20, method=method, drafter=drafters[method], **opts)[0]
+        alone = generate(tiny, [p], **kw)[0]
         assert r.token_ids == alone.token_ids
         assert r.stats["accepted_hist"] == alone.stats["accepted_hist"]
         assert r.stats["drafter_forwards"] == alone.stats["drafter_forwards"]
@@ -175,7 +177,7 @@ def _exact_marginals(tgt, prompt, n_pos, temperature, top_k=0, top_p=1.0):
 CHI2_CRIT_7DOF = 24.32  # p = 1e-3 for 7 degrees of freedom (vocab 8)
 
 
-@pytest.mark.parametrize("method, opts", METHODS + [("ar", {})])
+@pytest.mark.parametrize("method, opts", METHODS + HYBRID + [("ar", {})])
 def test_sampling_preserves_target_distribution(method, opts):
     tgt = tiny_target(vocab=8, hidden=16, heads=2, kv_heads=1, seed=4, max_cache_len=64)
     prompt, n_samples, n_pos, temp = [1, 5, 2], 3000, 3, 1.0

@@ -271,12 +271,12 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     view = dmod.target_view(target.params, target.config, d2t)
     weights = losses.LossWeights(feature=cfg.feature_weight, ce=cfg.ce_weight, soft_labels=cfg.soft_labels)
 
-    def loss(params, batch, key):
-        return losses.drafter_loss(params, dcfg, view, t2d, batch, key, steps=cfg.unroll,
+    def loss(params, batch, key, consts):
+        return losses.drafter_loss(params, dcfg, consts["view"], consts["t2d"], batch, key, steps=cfg.unroll,
                                    ce_positions=cfg.ce_positions, weights=weights)
 
-    def accept(params, batch):
-        return losses.chain_acceptance(params, dcfg, view, t2d, batch, cfg.unroll)
+    def accept(params, batch, consts):
+        return losses.chain_acceptance(params, dcfg, consts["view"], consts["t2d"], batch, cfg.unroll)
 
     if init is None:
         params = dmod.init_drafter_params(dcfg, jax.random.key(cfg.seed))
@@ -286,7 +286,7 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
                           f"(differs in {diff or ['draft vocabulary']})")
     else:
         params = _float32(init.params)
-    return dict(params=params, loss=loss, accept=accept, config=dcfg, d2t=d2t)
+    return dict(params=params, loss=loss, accept=accept, consts={"view": view, "t2d": t2d}, config=dcfg, d2t=d2t)
 
 
 def _float32(tree):
@@ -320,32 +320,38 @@ def _sd_task(cfg: TrainConfig, target) -> dict:
         params = _float32({k: init.params[k] for k in params})
     frozen = {k: tp[k] for k in ("embed_tokens", "lm_head") if k in tp}
 
-    def loss(params, batch, key):
-        return losses.draft_lm_loss(params, frozen, dcfg, batch, key, ce_positions=cfg.ce_positions)
+    def loss(params, batch, key, consts):
+        return losses.draft_lm_loss(params, consts, dcfg, batch, key, ce_positions=cfg.ce_positions)
 
-    def accept(params, batch):
-        return losses.draft_lm_acceptance(params, frozen, dcfg, batch, cfg.unroll)
+    def accept(params, batch, consts):
+        return losses.draft_lm_acceptance(params, consts, dcfg, batch, cfg.unroll)
 
-    return dict(params=params, loss=loss, accept=accept, config=dcfg, d2t=None)
+    return dict(params=params, loss=loss, accept=accept, consts=frozen, config=dcfg, d2t=None)
 
 
-def make_train_step(loss_fn, tx, example_state=None):
-    """The jitted optimizer step (state, batch, key[, lr]) -> (state, metrics). With `lr` the
-    transformation's update is a direction, scaled by -lr (see `make_optimizer`); without it the
-    update is applied as it is. Given a sharded `example_state`, the new state keeps its
-    shardings and metrics come back replicated."""
-    def step(state, batch, key, lr=None):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key)
+def make_train_step(loss_fn, tx, example_state=None, compiler_options=None):
+    """The jitted optimizer step (state, batch, key[, lr][, consts]) -> (state, metrics). With `lr`
+    the transformation's update is a direction, scaled by -lr (see `make_optimizer`); without it
+    the update is applied as it is. `consts` (the frozen target pieces a loss reads) is passed on
+    as `loss_fn(params, batch, key, consts)`: an argument, never a closure, so the target's
+    weights are not baked into the program as constants (slow compiles, a copy per program). Given a sharded `example_state`, the new state keeps its
+    shardings and metrics come back replicated. `compiler_options`: XLA's, as
+    `api.compile_options` chooses them for the target."""
+    def step(state, batch, key, lr=None, consts=None):
+        extra = () if consts is None else (consts,)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key, *extra)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         if lr is not None:
             updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, dict(metrics, loss=loss)
 
     leaves = jax.tree.leaves(example_state)
+    opts = compiler_options or None
     if not leaves or not isinstance(leaves[0].sharding, jax.sharding.NamedSharding):
-        return jax.jit(step)
+        return jax.jit(step, compiler_options=opts)
     replicated = jax.sharding.NamedSharding(leaves[0].sharding.mesh, jax.sharding.PartitionSpec())
-    return jax.jit(step, out_shardings=(jax.tree.map(lambda x: x.sharding, example_state), replicated))
+    return jax.jit(step, out_shardings=(jax.tree.map(lambda x: x.sharding, example_state), replicated),
+                   compiler_options=opts)
 
 
 def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, log=print) -> dict:
@@ -359,7 +365,7 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     from tqdm import tqdm
 
     from hsd_jax import sharding
-    from hsd_jax.api import load_target, save_drafter
+    from hsd_jax.api import compile_options, load_target, save_drafter
     from hsd_jax.models import drafter as dmod
 
     primary = sharding.is_primary()
@@ -388,12 +394,14 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     state = {"params": params, "opt": tx.init(params)}
     if mesh is not None:
         state = sharding.shard_params(state, mesh)
-    train_step = make_train_step(task["loss"], tx, state if mesh is not None else None)
+    copts = compile_options(target.params)
+    train_step = make_train_step(task["loss"], tx, state if mesh is not None else None, copts)
 
-    eval_fn = jax.jit(task["accept"])
+    eval_fn = jax.jit(task["accept"], compiler_options=copts or None)
+    consts = task["consts"]
 
     def evaluate(params):
-        return heldout_report(lambda b: eval_fn(params, place(b)), data, cfg.batch_size)
+        return heldout_report(lambda b: eval_fn(params, place(b), consts), data, cfg.batch_size)
 
     ckpt_dir = os.path.abspath(os.path.join(cfg.out_dir, "checkpoints"))
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
@@ -425,7 +433,8 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
             if step + 1 < cfg.steps:
                 pending = pool.submit(host_batch, step + 1)
             lr = np.float32(learning_rate(cfg, step, time.time() - train_t0))
-            state, metrics = train_step(state, place(batch), jax.random.fold_in(jax.random.key(cfg.seed), step), lr)
+            state, metrics = train_step(state, place(batch), jax.random.fold_in(jax.random.key(cfg.seed), step), lr,
+                                        consts)
             loss_now = float(metrics["loss"])
             losses_seen.append(loss_now)
             last = step + 1
