@@ -34,6 +34,7 @@ from hsd_jax.methods import METHODS, REGISTRY, TREE_METHODS
 
 HSD_REUSE = {"hsd-noreuse": "none", "hsd-refresh": "refresh", "hsd-chain": "chain"}
 METHOD_NAMES = METHODS + tuple(HSD_REUSE)
+SPEC_OPTIONS = frozenset().union(*(m.options for m in REGISTRY.values()))   # every method's options
 HYBRID_LOOKUP_SLOTS = 4   # "hsd+lookup": a tree method with this many prompt-lookup nodes ("hsd+lookup6": 6)
 
 
@@ -82,7 +83,7 @@ def make_runner(target, name: str, drafter=None, *, options: dict | None = None,
     if method == "ar":
         options = {}
     else:
-        unread = {"tree_nodes", "tree_depth", "tree_top_k", "gamma", "reuse", "lookup_slots"} - REGISTRY[method].options
+        unread = SPEC_OPTIONS - REGISTRY[method].options
         options = {k: v for k, v in options.items() if k not in unread}
         options.update(forced)
 

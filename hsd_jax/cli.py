@@ -312,7 +312,7 @@ def cmd_tune(a) -> int:
     try:
         lookup = tuple(sorted({int(m) for m in a.lookup_slots.split(",")}))
     except ValueError:
-        lookup = (-1,)
+        lookup = ()
     if not lookup or lookup[0] < 0:
         raise UsageError(f"--lookup-slots expects whole numbers >= 0 separated by commas, got {a.lookup_slots!r}")
     _check_model(a.model)

@@ -108,9 +108,9 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
 
     Stage 1 runs every tree of the grid on the first half of `prompts` (at least 2); stage 2
     reruns the `finalists` fastest trees (x every reuse policy for HSD, x every `lookup_slots`)
-    interleaved with ar on all `prompts`, and the median speedup over prompts decides. `curve`: a verify-cost curve
-    already measured (`verify_cost_curve`), else it is measured first. `tuned_dir`: where the
-    result goes (default: `tuning.cache_dir()`, where `generate(..., tuned=True)` looks)."""
+    interleaved with ar on all `prompts`, and the median speedup over prompts decides. `curve`: a
+    verify-cost curve already measured (`verify_cost_curve`), else it is measured first.
+    `tuned_dir`: where the result goes (default: `tuning.cache_dir()`, where `generate(..., tuned=True)` looks)."""
     curve = curve or verify_cost_curve(target)
     log("verify cost (ms) by new tokens: " + ", ".join(f"{n}:{ms:.1f}" for n, ms in curve.items()))
     max_nodes = max(n for n, ms in curve.items() if ms <= 3 * curve[1]) - 1
@@ -131,7 +131,8 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
     for tree in top:
         for reuse in policies:
             for m in lookup_slots:
-                name = "/".join(str(tree[k]) for k in keys) + (f" {reuse}" if reuse else "") + (f" +lookup{m}" if m else "")
+                name = ("/".join(str(tree[k]) for k in keys) + (f" {reuse}" if reuse else "")
+                        + (f" +lookup{m}" if m else ""))
                 variants[name] = dict(kw, **tree, **({"reuse": reuse} if reuse else {}), lookup_slots=m)
     log(f"stage 2: {len(variants) - 1} finalists interleaved with ar on {len(prompts)} prompts")
     runs = _interleaved(target, prompts, max_new_tokens, variants)

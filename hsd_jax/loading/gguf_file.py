@@ -87,8 +87,6 @@ class _Cursor:
 def _parse(path: str) -> GGUFFile:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"GGUF file not found: {path}")
     try:
         mm = np.memmap(path, mode="r")
     except (OSError, ValueError) as e:

@@ -55,9 +55,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_config(gf: GGUFFile, path: str, **overrides) -> ModelConfig:
-    def _field(key, default=None):
-        return gf.fields.get(key, default)
-
+    _field = gf.fields.get
     arch = _field("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; "

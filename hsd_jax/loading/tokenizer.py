@@ -89,11 +89,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def gguf_tokenizer(path: str):
     """The tokenizer a GGUF's metadata describes, as a `PreTrainedTokenizerFast`."""
-    fields = read_gguf(path).fields
-
-    def _field(key, default=None):
-        return fields.get(key, default)
-
+    _field = read_gguf(path).fields.get
     kind = _field("tokenizer.ggml.model")
     if kind != "gpt2":
         return _transformers_gguf_tokenizer(path, kind)

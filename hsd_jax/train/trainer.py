@@ -334,9 +334,9 @@ def make_train_step(loss_fn, tx, example_state=None, compiler_options=None):
     the transformation's update is a direction, scaled by -lr (see `make_optimizer`); without it
     the update is applied as it is. `consts` (the frozen target pieces a loss reads) is passed on
     as `loss_fn(params, batch, key, consts)`: an argument, never a closure, so the target's
-    weights are not baked into the program as constants (slow compiles, a copy per program). Given a sharded `example_state`, the new state keeps its
-    shardings and metrics come back replicated. `compiler_options`: XLA's, as
-    `api.compile_options` chooses them for the target."""
+    weights are not baked into the program as constants (slow compiles, a copy per program).
+    Given a sharded `example_state`, the new state keeps its shardings and metrics come back
+    replicated. `compiler_options`: XLA's, as `api.compile_options` chooses them for the target."""
     def step(state, batch, key, lr=None, consts=None):
         extra = () if consts is None else (consts,)
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key, *extra)
