@@ -82,9 +82,9 @@ def main(argv=None) -> None:
     import jax
     import numpy as np
 
-    from hsd_jax import sharding
+    from hsd_jax import distributed, sharding
 
-    sharding.maybe_initialize_distributed()
+    distributed.maybe_initialize_distributed()
     backend = jax.default_backend()
     note = ("fake CPU devices share the same cores: this measures mesh overhead only, not scaling"
             if backend == "cpu" else f"{jax.device_count()} {backend} devices")
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     vocab = target.config.vocab_size
     prompts = [rng.integers(0, vocab, size=int(rng.integers(8, 24))).tolist() for _ in range(args.batch)]
-    out = print if sharding.is_primary() else (lambda *_: None)
+    out = print if distributed.is_primary() else (lambda *_: None)
     out(f"# backend={backend} devices={jax.device_count()} model={args.model} batch={args.batch} "
         f"new_tokens={args.max_new_tokens}: {note}")
     rows, first_ids = [], {}

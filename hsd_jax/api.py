@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hsd_jax import sharding
+from hsd_jax import distributed, sharding
 from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig
 from hsd_jax.loading.errors import ModelLoadError
 from hsd_jax.models.drafter import Drafter
@@ -179,22 +179,21 @@ def _drafter_paths(path: str) -> tuple[str, str, str]:
 def save_drafter(drafter, path: str) -> None:
     """Write a drafter as drafter.json (kind, config) + d2t.npy + an Orbax params checkpoint.
 
-    Multi-host: every process joins the (collective) Orbax save; only process 0 writes the
-    small files."""
+    Multi-process: the params are gathered to every host (a drafter is small) and process 0 alone
+    writes; the others wait for it, so all can read the result once this returns."""
     import json
 
-    import orbax.checkpoint as ocp
-
-    os.makedirs(path, exist_ok=True)
-    meta, d2t_path, params_path = _drafter_paths(path)
-    if sharding.is_primary():
+    host = sharding.fetch(drafter.params)
+    if distributed.is_primary():
+        os.makedirs(path, exist_ok=True)
+        meta, d2t_path, params_path = _drafter_paths(path)
         with open(meta, "w") as f:
             json.dump({"kind": drafter.kind, "config": dataclasses.asdict(drafter.config)}, f, indent=1)
         np.save(d2t_path, np.asarray(drafter.d2t if drafter.d2t is not None else [], np.int32))
-    if not jax.tree.leaves(drafter.params):  # a weightless drafter (lookup): its config is all there is
-        return
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(os.path.abspath(params_path), drafter.params, force=True)
+        if jax.tree.leaves(host):  # a weightless drafter (lookup): its config is all there is
+            with distributed.primary_checkpointer() as ckpt:
+                ckpt.save(os.path.abspath(params_path), host, force=True)
+    distributed.barrier("save_drafter")
 
 
 SHIPPED_DRAFTERS = os.path.join(os.path.dirname(__file__), "drafters")

@@ -24,6 +24,7 @@ JSON schema (`--json OUT`):
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -114,6 +115,8 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
 
     from tqdm import tqdm
 
+    from hsd_jax import distributed
+
     if "ar" not in runners:
         raise BenchError("the ar baseline must be among the methods (speedups are measured against it)")
     if batch_size < 1 or not prompts:
@@ -125,10 +128,11 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
         compile_s[name] = res[0].stats["compile_seconds"]
     per = {name: {"tokens": [], "seconds": [], "outputs": [], "rounds": 0, "dsteps": 0, "hist": []}
            for name in runners}
-    bar = tqdm(total=len(batches) * len(runners), desc="bench", unit="run", disable=not progress)
+    bar = tqdm(total=len(batches) * len(runners), desc="bench", unit="run",
+               disable=not (progress and distributed.is_primary()))
     for batch in batches:
-        if deadline is not None and time.time() > deadline and per["ar"]["tokens"]:
-            break
+        if deadline is not None and per["ar"]["tokens"] and distributed.agree(time.time() > deadline):
+            break   # process 0's clock decides: every process must run the same batches
         for name, run in runners.items():
             res = run(batch)
             rec = per[name]
@@ -164,6 +168,15 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
             "options": getattr(runners[name], "options", {}),
         }
     return out
+
+
+def save_result(result: dict, path: str) -> None:
+    """Write a bench result as JSON; in a multi-process run only process 0 writes."""
+    from hsd_jax.distributed import is_primary
+
+    if is_primary():
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def prefix_match(outputs: list[list[int]], reference: list[list[int]]) -> dict:

@@ -76,6 +76,14 @@ def _add_mesh_arg(p):
                    help="device mesh, e.g. 1x8 (tensor parallel) or 8x1 (data parallel); default one device")
 
 
+def _say(line: str) -> None:
+    """Print in process 0 only (every process of a multi-process run executes the command)."""
+    from hsd_jax.distributed import is_primary
+
+    if is_primary():
+        print(line)
+
+
 def _mesh(a):
     """The --mesh DATAxMODEL device mesh, or None for one device."""
     if a.mesh is None:
@@ -112,13 +120,17 @@ def cmd_generate(a) -> int:
     from hsd_jax.api import generate, load_drafter, load_target
 
     target = load_target(a.model, dtype=a.dtype, max_cache_len=a.max_cache_len,
-                         attention_impl=a.attention_impl)
+                         attention_impl=a.attention_impl, mesh=mesh)
     drafter = None
     if a.method != "ar":
         drafter = load_drafter(a.method, a.drafter, target=target, random_init=a.random_drafter)
     res = generate(target, [a.prompt], max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                    top_k=a.sampling_top_k, top_p=a.top_p, seed=a.seed, chat=a.chat, method=a.method,
                    drafter=drafter, mesh=mesh, **options)[0]
+    from hsd_jax.distributed import is_primary
+
+    if not is_primary():   # multi-process: process 0 prints
+        return 0
     if a.json:
         s = res.stats
         print(json.dumps({"text": res.text, "new_tokens": s["new_tokens"], "token_ids": res.token_ids,
@@ -197,7 +209,7 @@ def cmd_data_generate(a) -> int:
         prompts = [ids for ids, _ in zip(fresh, range(a.num_prompts))]
     n = generate_data(target, prompts, a.out, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
                       temperature=a.temperature, seed=a.seed)
-    print(f"wrote {n} response tokens to {a.out}")
+    _say(f"wrote {n} response tokens to {a.out}")
     return 0
 
 
@@ -214,12 +226,8 @@ def cmd_train(a) -> int:
     from hsd_jax.train.trainer import TrainConfig, train
 
     cfg = TrainConfig.from_yaml(a.config, steps=a.steps, out_dir=a.out_dir)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    from hsd_jax.sharding import is_primary
-
     final = train(cfg, mesh=_mesh(a))
-    if is_primary():
-        print(json.dumps(final))
+    _say(json.dumps(final))
     return 0
 
 
@@ -248,7 +256,16 @@ def _add_bench(sub):
 
 
 def cmd_bench(a) -> int:
-    from hsd_jax.bench import drafter_paths, format_table, machine_info, make_runner, method_spec, plot, run_bench
+    from hsd_jax.bench import (
+        drafter_paths,
+        format_table,
+        machine_info,
+        make_runner,
+        method_spec,
+        plot,
+        run_bench,
+        save_result,
+    )
     from hsd_jax.prompts import load_suite
 
     names = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -270,7 +287,7 @@ def cmd_bench(a) -> int:
     mesh = _mesh(a)
     from hsd_jax.api import load_drafter, load_target
 
-    target = load_target(a.model, max_cache_len=a.max_cache_len)
+    target = load_target(a.model, max_cache_len=a.max_cache_len, mesh=mesh)
     ids = [target.encode(p, chat=True) for p in prompts]
     runners = {}
     for name in names:
@@ -284,12 +301,14 @@ def cmd_bench(a) -> int:
     result = {"suite": a.suite, "num_prompts": len(ids), "batch_size": a.batch_size, "temperature": a.temperature,
               "max_new_tokens": a.max_new_tokens, "model": a.model, "options": given,
               "machine": machine_info(), "methods": results}
-    print(format_table(results))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if a.plot:
-        plot(result, a.plot)
+    from hsd_jax.distributed import is_primary
+
+    if is_primary():   # multi-process: one table, one JSON, one figure
+        print(format_table(results))
+        if a.json:
+            save_result(result, a.json)
+        if a.plot:
+            plot(result, a.plot)
     return 0
 
 
@@ -328,8 +347,8 @@ def cmd_tune(a) -> int:
         by_bucket.setdefault(round_up(len(ids), PROMPT_BUCKET), []).append(ids)
     prompts = max(by_bucket.values(), key=len)[: a.num_prompts]  # one padded length: one compile per tree
     report = tune(target, drafter, prompts, max_new_tokens=a.max_new_tokens, lookup_slots=lookup)
-    print(json.dumps({k: report[k] for k in ("hardware", "tree", "lookup_slots", "expected_tokens_per_s",
-                                                  "ar_tokens_per_s", "path")}))
+    _say(json.dumps({k: report[k] for k in ("hardware", "tree", "lookup_slots", "expected_tokens_per_s",
+                                                 "ar_tokens_per_s", "path")}))
     return 0
 
 
@@ -352,15 +371,16 @@ def main(argv=None) -> int:
     from hsd_jax.train.data import DataError
 
     args = build_parser().parse_args(argv)
-    try:
-        from hsd_jax.sharding import maybe_initialize_distributed
+    from hsd_jax.distributed import exit_on_peer_failure, maybe_initialize_distributed
 
-        maybe_initialize_distributed()
-        return args.func(args)
-    except (UsageError, InputError, ConfigError, ModelLoadError, DataError, SuiteError, BenchError,
-            FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with exit_on_peer_failure():
+        try:
+            maybe_initialize_distributed()
+            return args.func(args)
+        except (UsageError, InputError, ConfigError, ModelLoadError, DataError, SuiteError, BenchError,
+                FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

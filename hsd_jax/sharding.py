@@ -1,4 +1,4 @@
-"""Multi-device runs: a (data, model) device mesh, partition rules, sharded placement, multi-host start.
+"""Multi-device runs: a (data, model) device mesh, partition rules, sharded placement.
 
 Layout (Megatron-style tensor parallelism over `model`, data parallelism over `data`):
 
@@ -14,16 +14,12 @@ Layout (Megatron-style tensor parallelism over `model`, data parallelism over `d
 A dimension that does not divide by its mesh axis is replicated instead (the MLP hidden or
 the vocab of an odd model); heads, KV heads and the batch must divide (`check_mesh`).
 
-Multi-host: call `maybe_initialize_distributed()` first thing in every process. It reads
-  HSD_COORDINATOR=host:port, HSD_NUM_PROCESSES=N, HSD_PROCESS_ID=i
-  (optionally HSD_LOCAL_DEVICE_IDS=0,1,...) for multi-GPU hosts, or HSD_DISTRIBUTED=auto
-  to let JAX detect the cluster itself (TPU pods, SLURM, Open MPI). Only process 0
-  (`is_primary()`) should print or write files; Orbax checkpoint saves are collective.
+Multi-host (one mesh over the devices of several processes): `hsd_jax.distributed` starts the
+processes; `put` and `fetch` below place and gather arrays whose shards live in other processes.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 from typing import Any, Sequence
 
@@ -147,6 +143,8 @@ def put(x, sharding: NamedSharding):
     """
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):   # typed PRNG keys: place their raw data
+        return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
     return jax.make_array_from_callback(np.shape(x), sharding, lambda idx: np.asarray(x[idx]))
 
 
@@ -188,40 +186,3 @@ def fetch(tree):
     from jax.experimental import multihost_utils
 
     return multihost_utils.process_allgather(tree, tiled=True)
-
-
-_DISTRIBUTED = False
-
-
-def maybe_initialize_distributed() -> bool:
-    """Start JAX's multi-process runtime when the environment asks for it; True if started.
-
-    HSD_DISTRIBUTED=auto: `jax.distributed.initialize()` with JAX's own cluster detection
-    (TPU pods, SLURM, Open MPI). Otherwise HSD_COORDINATOR (host:port of process 0),
-    HSD_NUM_PROCESSES and HSD_PROCESS_ID (and optionally HSD_LOCAL_DEVICE_IDS, comma-separated)
-    for explicit multi-GPU hosts. Must run before any other JAX call; later calls are no-ops.
-    """
-    global _DISTRIBUTED
-    if _DISTRIBUTED:
-        return True
-    env = os.environ
-    if env.get("HSD_DISTRIBUTED", "").lower() == "auto":
-        jax.distributed.initialize()
-    elif env.get("HSD_COORDINATOR"):
-        missing = [k for k in ("HSD_NUM_PROCESSES", "HSD_PROCESS_ID") if not env.get(k)]
-        if missing:
-            raise ConfigError(f"HSD_COORDINATOR is set but {', '.join(missing)} is not")
-        local = env.get("HSD_LOCAL_DEVICE_IDS")
-        jax.distributed.initialize(
-            coordinator_address=env["HSD_COORDINATOR"], num_processes=int(env["HSD_NUM_PROCESSES"]),
-            process_id=int(env["HSD_PROCESS_ID"]),
-            local_device_ids=[int(i) for i in local.split(",")] if local else None)
-    else:
-        return False
-    _DISTRIBUTED = True
-    return True
-
-
-def is_primary() -> bool:
-    """True in process 0: the one that prints and writes files."""
-    return jax.process_index() == 0

@@ -59,10 +59,14 @@ def tuned_path(target, drafter, folder: str | None = None) -> str:
 
 
 def save_tuned(report: dict, target, drafter, folder: str | None = None) -> str:
+    """Store a tune report where `tuned_options` finds it; in a multi-process run process 0 writes."""
+    from hsd_jax.distributed import is_primary
+
     path = tuned_path(target, drafter, folder)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    if is_primary():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
     return path
 
 

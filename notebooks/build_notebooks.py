@@ -154,6 +154,20 @@ for d in jax.local_devices():
     stats = d.memory_stats() or {}
     print(d, f"weights {per_dev[str(d)] / 2**20:.1f} MiB", f"| in use {stats.get('bytes_in_use', 0) / 2**20:.0f} MiB" if stats else "")
 plt.bar(range(len(per_dev)), [v / 2**20 for v in per_dev.values()]); plt.xlabel("device"); plt.ylabel("MiB of weights"); plt.show()'''),
+    ("md", """## Several hosts: one mesh over every process
+A notebook runs one process. On a TPU pod slice or several GPU hosts, run the same code as a script in every process at once; each process starts the runtime first, and `jax.devices()` (hence `make_mesh`) then spans all hosts:
+
+```python
+from hsd_jax import distributed, sharding
+distributed.maybe_initialize_distributed()                # first, before any other JAX call
+mesh = sharding.make_mesh(data=2, model=8)                 # e.g. 2 hosts x 8 chips: data across hosts, model within
+target = hsd_jax.load_target("smollm2-135m", mesh=mesh)   # each process reads only its own shards
+```
+
+- TPU pod slice: `HSD_DISTRIBUTED=auto` on all workers (`gcloud compute tpus tpu-vm ssh NAME --worker=all --command "..."`); JAX finds the workers itself (likewise SLURM and Open MPI).
+- GPU hosts: `HSD_COORDINATOR=host0:8476 HSD_NUM_PROCESSES=N HSD_PROCESS_ID=i` on host i (optionally `HSD_LOCAL_DEVICE_IDS`); the CLI reads the same variables, e.g. `hsd bench --mesh 2x8 ...` on every host.
+- Only process 0 prints and writes files (checkpoints, drafters, bench JSON, tuned trees); training needs its output and data folders on a filesystem every host sees. A wrong process count or an unreachable coordinator fails at start (`HSD_INIT_TIMEOUT_S`, default 300 s); a process that dies ends the others within `HSD_HEARTBEAT_TIMEOUT_S` (default 100 s).
+- `bash benchmarks/multihost.sh` runs two such processes on one CPU machine."""),
 ])
 
 nbf.write(quick, f"{HERE}/quickstart.ipynb")

@@ -121,39 +121,45 @@ def existing_prompts(data_dirs) -> set[tuple[int, ...]]:
 
 def generate_data(target, prompts: list, out_dir: str, *, batch_size: int = 48, max_new_tokens: int = 128,
                   max_prompt_tokens: int = 256, temperature: float = 0.0, seed: int = 0, progress: bool = True,
-                  prompt_bucket: int = PROMPT_BUCKET, deadline: float | None = None) -> int:
+                  prompt_bucket: int = PROMPT_BUCKET, deadline: float | None = None, mesh=None) -> int:
     """Let the target answer `prompts` (strings get the chat template; token-id lists are used
     as they are), `batch_size` per shard; resumable.
 
     prompt_bucket: padding multiple of the prompts (see `generate`; larger = fewer compiles).
     deadline: a `time.time()` after which no new shard is started (time-boxed runs).
+    mesh: generate on this device mesh (`generate(mesh=...)`); multi-process runs write from process 0.
     Returns the number of response tokens written by this call."""
     import time
 
     from tqdm import tqdm
 
+    from hsd_jax import distributed
     from hsd_jax.api import generate
 
-    os.makedirs(out_dir, exist_ok=True)
+    primary = distributed.is_primary()
+    if primary:
+        os.makedirs(out_dir, exist_ok=True)
     batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     written = 0
-    bar = tqdm(total=len(batches), desc="self-distilling", unit="shard", disable=not progress)
+    bar = tqdm(total=len(batches), desc="self-distilling", unit="shard", disable=not (progress and primary))
     for b, batch in enumerate(batches):
         path = os.path.join(out_dir, f"shard_{b:05d}.npz")
-        if os.path.exists(path):
+        if distributed.agree(os.path.exists(path)):   # every process takes process 0's decisions
             bar.update(1)
             continue
-        if deadline is not None and time.time() > deadline:
+        if deadline is not None and distributed.agree(time.time() > deadline):
             break
         encoded = (target.encode(p, chat=True) if isinstance(p, str) else list(p) for p in batch)
         ids = [i for i in encoded if len(i) <= max_prompt_tokens]
         if not ids:
             continue
         res = generate(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + b,
-                       prompt_bucket=prompt_bucket)
-        write_shard(path, [i + r.token_ids for i, r in zip(ids, res)], [len(i) for i in ids])
+                       prompt_bucket=prompt_bucket, mesh=mesh)
+        if primary:
+            write_shard(path, [i + r.token_ids for i, r in zip(ids, res)], [len(i) for i in ids])
         written += sum(len(r.token_ids) for r in res)
         bar.update(1)
         bar.set_postfix(tokens=written)
     bar.close()
+    distributed.barrier("generate_data")
     return written

@@ -53,15 +53,20 @@ def _save(path: str, arr: np.ndarray) -> None:
 def build_feature_cache(target, data_dir: str, cache_dir: str, batch_size: int = 8, progress: bool = True,
                         feature_layers=()) -> None:
     """Prefill every shard's sequences through the target; skips shards already cached. With
-    `feature_layers`, those layers' outputs are cached too."""
+    `feature_layers`, those layers' outputs are cached too. Multi-process: every process runs the
+    prefill (the target may be sharded over all of them), process 0 alone writes, and all return
+    once the cache is complete."""
     from tqdm import tqdm
+
+    from hsd_jax import distributed
+    from hsd_jax.sharding import fetch
 
     layers = tuple(int(i) for i in feature_layers)
     cfg = target.config.replace(feature_layers=layers)
     for shard in tqdm(shard_paths(data_dir), desc="target features", unit="shard", disable=not progress):
         out = feature_path(cache_dir, shard)
         aux_out = aux_path(cache_dir, shard, layers) if layers else None
-        if os.path.exists(out) and (aux_out is None or os.path.exists(aux_out)):
+        if distributed.agree(os.path.exists(out) and (aux_out is None or os.path.exists(aux_out))):
             continue
         with np.load(shard, allow_pickle=False) as z:
             tokens = z["tokens"]
@@ -71,10 +76,12 @@ def build_feature_cache(target, data_dir: str, cache_dir: str, batch_size: int =
         feats = np.zeros((n, length, cfg.hidden_size), np.float16)
         aux = np.zeros((n, length, len(layers), cfg.hidden_size), np.float16)
         for i in range(0, n, batch_size):
-            f, a = _features(target.params, cfg, padded[i: i + batch_size])
-            feats[i: i + batch_size] = np.asarray(f)[:, :length]
-            aux[i: i + batch_size] = np.asarray(a)[:, :length]
-        if not os.path.exists(out):
-            _save(out, feats)
-        if aux_out is not None:
-            _save(aux_out, aux)
+            f, a = fetch(_features(target.params, cfg, padded[i: i + batch_size]))
+            feats[i: i + batch_size] = f[:, :length]
+            aux[i: i + batch_size] = a[:, :length]
+        if distributed.is_primary():
+            if not os.path.exists(out):
+                _save(out, feats)
+            if aux_out is not None:
+                _save(aux_out, aux)
+    distributed.barrier("feature_cache")

@@ -236,8 +236,10 @@ def run_vocab(cfg: TrainConfig, target, data: SequenceData, init=None) -> tuple[
     """The run's draft vocabulary and feature scale, fixed at its first start (`<out_dir>/draft_vocab.npz`)
     so that a resumed run keeps its output head's meaning when data directories are added. A run
     started from an `init` drafter takes that drafter's."""
+    from hsd_jax import distributed
+
     path = os.path.join(cfg.out_dir, "draft_vocab.npz")
-    if os.path.isfile(path):
+    if distributed.agree(os.path.isfile(path)):   # process 0's view: every process takes the same branch
         with np.load(path, allow_pickle=False) as z:
             return z["d2t"].astype(np.int32), float(z["feature_rms"])
     if init is not None:
@@ -246,11 +248,10 @@ def run_vocab(cfg: TrainConfig, target, data: SequenceData, init=None) -> tuple[
         rows = [data.rows[r] for r in data.train]  # training rows only: held-out coverage stays honest
         d2t = draft_vocab([r[0] for r in rows], [r[3] for r in rows], target.config.vocab_size, cfg.draft_vocab_size)
         rms = round(feature_rms(data), 3)
-    from hsd_jax import sharding
-
-    if sharding.is_primary():
+    if distributed.is_primary():
         os.makedirs(cfg.out_dir, exist_ok=True)
-        np.savez(path, d2t=d2t, feature_rms=np.float64(rms))
+        np.savez(path + ".tmp.npz", d2t=d2t, feature_rms=np.float64(rms))
+        os.replace(path + ".tmp.npz", path)
     return d2t, rms
 
 
@@ -364,11 +365,11 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
-    from hsd_jax import sharding
+    from hsd_jax import distributed, sharding
     from hsd_jax.api import compile_options, load_target, save_drafter
     from hsd_jax.models import drafter as dmod
 
-    primary = sharding.is_primary()
+    primary = distributed.is_primary()
     log = log if primary else (lambda *_: None)
     progress = progress and primary
 
@@ -404,12 +405,19 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
         return heldout_report(lambda b: eval_fn(params, place(b), consts), data, cfg.batch_size)
 
     ckpt_dir = os.path.abspath(os.path.join(cfg.out_dir, "checkpoints"))
-    mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.max_to_keep, save_interval_steps=cfg.save_every, create=True))
-    start = 0
-    if mngr.latest_step() is not None:
-        start = mngr.latest_step()
-        state = mngr.restore(start, args=ocp.args.StandardRestore(state))
+    mngr = None   # process 0 alone reads and writes checkpoints, as host arrays (a drafter's state is small)
+    if primary:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.max_to_keep, save_interval_steps=cfg.save_every, create=False,
+            multiprocessing_options=distributed.primary_options()))
+    start = distributed.agree(mngr.latest_step() if primary else None) or 0
+    if start:
+        host = sharding.fetch(state)
+        if primary:
+            host = mngr.restore(start, args=ocp.args.StandardRestore(host))
+        host = distributed.broadcast_arrays(host)
+        state = sharding.shard_params(host, mesh) if mesh is not None else jax.device_put(host)
         log(f"resumed from step {start}")
     if primary:
         with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as f:
@@ -432,7 +440,7 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
             batch = pending.result()
             if step + 1 < cfg.steps:
                 pending = pool.submit(host_batch, step + 1)
-            lr = np.float32(learning_rate(cfg, step, time.time() - train_t0))
+            lr = np.float32(distributed.agree(learning_rate(cfg, step, time.time() - train_t0)))
             state, metrics = train_step(state, place(batch), jax.random.fold_in(jax.random.key(cfg.seed), step), lr,
                                         consts)
             loss_now = float(metrics["loss"])
@@ -440,9 +448,11 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
             last = step + 1
             if step == start:  # throughput is measured from the end of the first (compiling) step
                 rate_t0 = time.time()
-            out_of_time = cfg.max_seconds and time.time() - train_t0 > cfg.max_seconds
+            out_of_time = bool(cfg.max_seconds) and distributed.agree(time.time() - train_t0 > cfg.max_seconds)
             if last % cfg.save_every == 0 or last == cfg.steps or out_of_time:
-                mngr.save(last, args=ocp.args.StandardSave(state), force=last == cfg.steps or bool(out_of_time))
+                host = sharding.fetch(state)
+                if primary:
+                    mngr.save(last, args=ocp.args.StandardSave(host), force=last == cfg.steps or out_of_time)
             if (step + 1) % 10 == 0:
                 bar.set_postfix(loss=f"{loss_now:.3f}", acc1=f"{float(metrics['acc_1']):.3f}")
             if (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps and not out_of_time:
@@ -454,7 +464,9 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
                 log(f"max_seconds {cfg.max_seconds} reached at step {last} of {cfg.steps}")
                 break
     bar.close()
-    mngr.wait_until_finished()
+    if primary:
+        mngr.wait_until_finished()
+        mngr.close()
     k = max(1, min(10, len(losses_seen) // 2))
     steps_per_s = (last - start - 1) / max(time.time() - rate_t0, 1e-9) if last - start > 1 else 0.0
     tokens_per_s = steps_per_s * cfg.batch_size * cfg.window
