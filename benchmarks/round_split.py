@@ -76,9 +76,10 @@ def main() -> None:
         draft_ms = _time(lambda: draft(drafter.params, view=view, chain=chain, root_tokens=root))
         tree = draft(drafter.params, view=view, chain=chain, root_tokens=root)
     else:
-        draft = jax.jit(functools.partial(eagle_m.tree_from_root, dcfg=dcfg, spec=spec))
-        draft_ms = _time(lambda: draft(drafter.params, view=view, cache=dcache, root_g=chain[:, 0], root_tokens=root))
-        tree, _ = draft(drafter.params, view=view, cache=dcache, root_g=chain[:, 0], root_tokens=root)
+        draft = jax.jit(lambda dp, view, cache, root_g, root: eagle_m.tree_from_root(
+            eagle_m.ops(dp, dcfg, view), cache, root_g, root, spec, view.d2t))
+        draft_ms = _time(lambda: draft(drafter.params, view, dcache, chain[:, 0], root))
+        tree, _ = draft(drafter.params, view, dcache, chain[:, 0], root)
     verify = jax.jit(engine.verify_tree, static_argnums=1)
     verify_ms = _time(lambda: verify(target.params, tcfg, tcache, tree))
     logits, vout = verify(target.params, tcfg, tcache, tree)
@@ -95,9 +96,9 @@ def main() -> None:
         upd_ms = _time(lambda: upd(drafter.params, cache=dcache, chain=chain, acc=acc, feats=vout.features,
                                    aux=vout.aux_features, live=jnp.ones((b,), bool)))
     else:
-        upd = jax.jit(functools.partial(eagle_m.ingest_accepted, dcfg=dcfg))
-        upd_ms = _time(lambda: upd(drafter.params, view=view, cache=dcache, tree=tree, acc=acc,
-                                   feats=vout.features, live=jnp.ones((b,), bool)))
+        upd = jax.jit(lambda dp, view, cache, tree, acc, vout: eagle_m.ingest_accepted(
+            eagle_m.ops(dp, dcfg, view), cache, tree, acc, vout, jnp.ones((b,), bool)))
+        upd_ms = _time(lambda: upd(drafter.params, view, dcache, tree, acc, vout))
     total = draft_ms + verify_ms + ac_ms + upd_ms
     print(f"\n{args.method}: N={args.tree_nodes} D={args.tree_depth} K={args.top_k} V_d={dcfg.draft_vocab_size}, batch 1, f32")
     print("| step | ms | share |\n| --- | --- | --- |")

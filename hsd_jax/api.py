@@ -217,13 +217,36 @@ def _restore_params(path: str):
         return ckpt.restore(os.path.abspath(path), abstract)
 
 
+def export_eagle3(path: str, out: str, dtype: str = "float32") -> None:
+    """Write an eagle3 drafter saved by `save_drafter` (e.g. by `hsd train`) in the published
+    EAGLE-3 format, loadable by the EAGLE reference, SpecForge, sglang and vLLM (and by
+    `load_drafter("eagle3", out, ...)` again). No target needed."""
+    import json
+
+    from hsd_jax.models import eagle3
+
+    meta, d2t_path, params_path = _drafter_paths(path)
+    if not os.path.isfile(meta):
+        raise ModelLoadError(f"not a drafter directory (no drafter.json): {path}")
+    with open(meta) as f:
+        info = json.load(f)
+    if info.get("kind") != "eagle3":
+        raise ModelLoadError(f"{path} holds a {info.get('kind')!r} drafter; only eagle3 drafters export to the "
+                             "EAGLE-3 format")
+    if dtype not in ("float32", "float16"):
+        raise ConfigError(f"export dtype must be float32 or float16, got {dtype!r}")
+    cfg = eagle3.Eagle3Config(**info["config"])
+    eagle3.export_published(_restore_params(params_path), cfg, np.load(d2t_path, allow_pickle=False), out, dtype)
+
+
 def load_drafter(kind: str, path: str | None = None, *, target: Target, random_init: bool = False,
                  seed: int = 0, **config) -> Drafter:
     """A drafter for `target` and the method of the same name (`hsd_jax.methods.REGISTRY`):
-    `hsd`, `eagle` (feature drafters), `sd` (a small draft LM) or `ngram` (the bigram-table
-    floor, built by `hsd data ngram`).
+    `hsd`, `eagle` (feature drafters), `eagle3` (EAGLE-3), `sd` (a small draft LM) or `ngram`
+    (the bigram-table floor, built by `hsd data ngram`).
 
-    From `path` (a directory written by `save_drafter`), the drafter shipped for the target
+    From `path` (a directory written by `save_drafter`, or for eagle3 a published EAGLE-3
+    checkpoint: config.json + model.safetensors), the drafter shipped for the target
     (`hsd_jax/drafters/<model>/<kind>`) when no path is given, or random weights when asked
     with `random_init=True` (for tests and engine checks; acceptance will be low). `config`
     overrides fields of the stored (or default) drafter config.
@@ -241,7 +264,12 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         if path is None:
             raise ModelLoadError(f"no {kind} drafter given and none is shipped for {target.name!r}: pass "
                                  "path=... (a trained drafter directory) or random_init=True")
-    if path is not None:
+    published = dk.read(path, target) if path is not None and os.path.isdir(path) else None
+    if published is not None:
+        params, cfg, d2t = published
+        if config:
+            cfg = dataclasses.replace(cfg, **config)
+    elif path is not None:
         meta, d2t_path, params_path = _drafter_paths(path)
         if not os.path.isfile(meta):
             raise ModelLoadError(f"not a drafter directory (no drafter.json): {path}")

@@ -312,6 +312,23 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def _add_export(sub):
+    p = sub.add_parser("export-eagle3", help="write an eagle3 drafter in the published EAGLE-3 format "
+                                             "(config.json + model.safetensors) for other engines")
+    p.add_argument("drafter", help="an eagle3 drafter directory (drafter.json, as `hsd train` writes)")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    p.set_defaults(func=cmd_export_eagle3)
+
+
+def cmd_export_eagle3(a) -> int:
+    from hsd_jax.api import export_eagle3
+
+    export_eagle3(a.drafter, a.out, a.dtype)
+    _say(f"wrote {a.out}/config.json and model.safetensors")
+    return 0
+
+
 def _add_tune(sub):
     p = sub.add_parser("tune", help="measure this hardware and pick the draft tree that maximises tokens/s")
     p.add_argument("--model", default="smollm2-135m")
@@ -360,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_bench(sub)
     _add_tune(sub)
+    _add_export(sub)
     return parser
 
 

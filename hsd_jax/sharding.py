@@ -42,6 +42,9 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"layers/mlp/down_proj/kernel$", P(None, MODEL, None)),
     (r"(^|/)embed_tokens/embedding$", P(MODEL, None)),
     (r"(^|/)lm_head/kernel$", P(None, MODEL)),
+    (r"(^|/)midlayer/(q_proj|k_proj|v_proj)/kernel$", P(None, MODEL)),   # EAGLE-3's one layer (not stacked)
+    (r"(^|/)midlayer/mlp/(gate_proj|up_proj)/kernel$", P(None, MODEL)),
+    (r"(^|/)midlayer/(o_proj|mlp/down_proj)/kernel$", P(MODEL, None)),
     (r"(^|/)inject/w1$", P(None, MODEL)),
     (r"(^|/)inject/b1$", P(MODEL)),
     (r"(^|/)inject/w2$", P(MODEL, None)),

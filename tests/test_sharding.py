@@ -60,6 +60,12 @@ def check_generate(report):
     on_mesh = _ids(generate(t, prompts, max_new_tokens=16, method="ngram", drafter=ng, mesh=sharding.make_mesh(2, 4),
                             **SPEC))
     report["ngram_2x4"] = {"single_matches_ar": ref_ng == ref_ar, "mesh_matches_single": on_mesh == ref_ng}
+    e3 = load_drafter("eagle3", target=t, random_init=True, draft_vocab_size=48)
+    spec = dict(tree_nodes=6, tree_depth=3, tree_top_k=2)
+    ref_e3 = _ids(generate(t, prompts, max_new_tokens=16, method="eagle3", drafter=e3, **spec))
+    on_mesh = _ids(generate(t, prompts, max_new_tokens=16, method="eagle3", drafter=e3, mesh=sharding.make_mesh(2, 4),
+                            **spec))
+    report["eagle3_2x4"] = {"single_matches_ar": ref_e3 == ref_ar, "mesh_matches_single": on_mesh == ref_e3}
 
 
 def check_pallas(report):
@@ -102,6 +108,7 @@ def check_placement(report):
     host = jax.tree.map(np.asarray, t.params)
     p = sharding.shard_params(host, mesh)
     dp = sharding.shard_params(d.params, mesh)
+    e3 = sharding.shard_params(load_drafter("eagle3", target=t, random_init=True).params, mesh)
 
     def shards(x):
         spec = list(x.sharding.spec) + [None] * (x.ndim - len(x.sharding.spec))
@@ -115,6 +122,7 @@ def check_placement(report):
         "down_proj": shards(p["layers"]["mlp"]["down_proj"]["kernel"]),
         "embedding": shards(p["embed_tokens"]["embedding"]), "lm_head": shards(p["lm_head"]["kernel"]),
         "norm": shards(p["norm"]["scale"]), "inject_w1": shards(dp["inject"]["w1"]),
+        "eagle3_q": shards(e3["midlayer"]["q_proj"]["kernel"]), "eagle3_o": shards(e3["midlayer"]["o_proj"]["kernel"]),
         "cache_k": shards(cache.k), "cache_lengths": shards(cache.lengths),
         "values_kept": bool(np.array_equal(np.asarray(p["layers"]["q_proj"]["kernel"]),
                                            host["layers"]["q_proj"]["kernel"])),
@@ -305,6 +313,10 @@ def test_ngram_floor_on_a_mesh(report):
     assert report["ngram_2x4"] == {"single_matches_ar": True, "mesh_matches_single": True}
 
 
+def test_eagle3_on_a_mesh(report):
+    assert report["eagle3_2x4"] == {"single_matches_ar": True, "mesh_matches_single": True}
+
+
 def test_pallas_attention_runs_per_shard(report):
     assert report["pallas_2x4"] == {"ar": True, "hsd": True, "shard_map": True}
 
@@ -318,6 +330,8 @@ def test_weights_and_cache_are_sharded(report):
     assert p["lm_head"]["shapes"] == [[64, 16]]
     assert p["norm"] == {"spec": [None], "n": 8, "shapes": [[64]]}
     assert p["inject_w1"]["shapes"] == [[128, 32]]
+    assert p["eagle3_q"] == {"spec": [None, "model"], "n": 8, "shapes": [[128, 16]]}
+    assert p["eagle3_o"] == {"spec": ["model", None], "n": 8, "shapes": [[16, 64]]}
     assert p["cache_k"] == {"spec": [None, "data", "model", None, None], "n": 8, "shapes": [[2, 4, 2, 32, 8]]}
     assert p["cache_lengths"]["shapes"] == [[4]]
     assert p["values_kept"]

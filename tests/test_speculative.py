@@ -12,7 +12,7 @@ from hsd_jax.models.drafter import Drafter
 from tests.helpers import bigram_target, jax_logits, tiny_target, zero_layers
 
 METHODS = [("hsd", dict(reuse="none")), ("hsd", dict(reuse="chain")), ("hsd", dict(reuse="refresh")),
-           ("eagle", {}), ("sd", {}), ("ngram", {}), ("lookup", {})]
+           ("eagle", {}), ("eagle3", {}), ("sd", {}), ("ngram", {}), ("lookup", {})]
 HYBRID = [("hsd", dict(lookup_slots=3)), ("eagle", dict(lookup_slots=2))]   # + prompt-lookup nodes
 
 
@@ -29,7 +29,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def drafters(tiny):
-    return {k: load_drafter(k, target=tiny, random_init=True, seed=1) for k in ("hsd", "eagle", "sd", "ngram", "lookup")}
+    return {k: load_drafter(k, target=tiny, random_init=True, seed=1) for k in ("hsd", "eagle", "eagle3", "sd", "ngram", "lookup")}
 
 
 @pytest.mark.parametrize("method, opts", METHODS + HYBRID)

@@ -4,10 +4,10 @@ method is checked against and is not in the registry: it has no drafter and no r
 Adding a method: a module with `init`, `draft`, `update`, a `DrafterKind` and a `METHOD`
 record (see `base.py`), one line here, and its tests."""
 from hsd_jax.config import InputError
-from hsd_jax.methods import eagle, hsd, lookup, ngram, sd
+from hsd_jax.methods import eagle, eagle3, hsd, lookup, ngram, sd
 from hsd_jax.methods.base import Draft, DrafterKind, History, Method, Round
 
-REGISTRY: dict[str, Method] = {m.name: m for m in (sd.METHOD, eagle.METHOD, hsd.METHOD, ngram.METHOD, lookup.METHOD)}
+REGISTRY: dict[str, Method] = {m.name: m for m in (sd.METHOD, eagle.METHOD, eagle3.METHOD, hsd.METHOD, ngram.METHOD, lookup.METHOD)}
 METHODS = ("ar",) + tuple(REGISTRY)
 TREE_METHODS = tuple(name for name, m in REGISTRY.items() if m.drafts == "tree")
 

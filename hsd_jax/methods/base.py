@@ -66,13 +66,16 @@ class DrafterKind:
     (params, config, d2t) for tests; finish(params, config, d2t, target) -> (params, config, d2t)
     after restoring and casting to the target's dtype (shared weights, dtype fixes, checks).
     built_in: the drafter needs no training (its defaults are the drafter): `load_drafter` builds
-    it when no path is given, and `generate` when no drafter is passed."""
+    it when no path is given, and `generate` when no drafter is passed.
+    read(path, target) -> (params, config, d2t), or None: a directory in a format published by
+    others (e.g. EAGLE-3 checkpoints), read before `load_drafter` looks for drafter.json."""
 
     config: Callable
     random: Callable
     finish: Callable
     has_draft_vocab: bool = True
     built_in: bool = False
+    read: Callable = lambda path, target: None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ root feature.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,30 +26,45 @@ class State(NamedTuple):
     root_g: jax.Array    # [B, d] the drafter's feature for the root (predicts the token after it)
 
 
-def tree_from_root(dparams, dcfg, view, cache: KVCache, root_g, root_tokens, spec):
+class Ops(NamedTuple):
+    """What a token-conditioned drafter does, bound to a round's weights (EAGLE-1/2 here, EAGLE-3
+    in `methods.eagle3`): the tree search, ingestion and prompt pass below are shared.
+
+    step(hidden [B,T,d], tokens [B,T], positions, cache, parents) -> (outputs [B,T,d], cache): the layer
+    on (feature of q, token x_{q+1}) pairs; logits(g, tokens) -> draft-vocab logits of the next token;
+    true_hidden(forward output) -> [B,T,d] the layer's hidden input at verified positions;
+    cache_shape: (layers, KV heads, head dim) of the drafter's cache."""
+
+    step: Callable
+    logits: Callable
+    true_hidden: Callable
+    cache_shape: tuple
+
+
+def tree_from_root(ops: Ops, cache: KVCache, root_g, root_tokens, spec, d2t):
     """EAGLE-2 style: every frontier node runs the drafter on (its parent's feature, its token).
 
     The drafter sees the frontier nodes of all depths so far as one tree (its own tree
     attention); a one-layer drafter's K/V depend only on each input, so recomputing them per
     depth is exact. Returns (tree, drafter steps)."""
     b, k = root_tokens.shape[0], spec.tree_top_k
-    toks, scores = tree_lib.topk_draft(drafter.readout(dparams, dcfg, view, root_g, root_tokens), view.d2t, k)
+    toks, scores = tree_lib.topk_draft(ops.logits(root_g, root_tokens), d2t, k)
     depth_tokens, depth_scores, depth_parents = [toks], [scores], [jnp.full_like(toks, -1)]
     cand_parent_f = jnp.full_like(toks, -1)
     parent_g = jnp.broadcast_to(root_g[:, None], (b, k, root_g.shape[-1]))
-    z_all, par_all, pos_all = [], [], []
+    hid_all, tok_all, par_all, pos_all = [], [], [], []
     for j in range(1, spec.tree_depth):
         fidx, ftok, fscore = tree_lib.expand_frontier(depth_tokens[-1], depth_scores[-1], k)
         fpar = jnp.take_along_axis(cand_parent_f, fidx, axis=1)
-        pg = parent_g if j == 1 else take_slots(parent_g, fpar)
-        z_all.append(drafter.eagle_inputs(dparams, dcfg, view, pg, ftok))
+        hid_all.append(parent_g if j == 1 else take_slots(parent_g, fpar))
+        tok_all.append(ftok)
         par_all.append(jnp.full_like(ftok, -1) if j == 1 else fpar + (j - 2) * k)
         pos_all.append(jnp.full_like(ftok, j - 1))
         pos = cache.lengths[:, None] + jnp.concatenate(pos_all, 1)
-        out, _ = drafter.run_layers(dparams, dcfg, jnp.concatenate(z_all, 1), pos, cache,
-                                    jnp.concatenate(par_all, 1))
+        out, _ = ops.step(jnp.concatenate(hid_all, 1), jnp.concatenate(tok_all, 1), pos, cache,
+                          jnp.concatenate(par_all, 1))
         parent_g = out[:, -k:]
-        ctok, clogp = tree_lib.topk_draft(drafter.readout(dparams, dcfg, view, parent_g, ftok), view.d2t, k)
+        ctok, clogp = tree_lib.topk_draft(ops.logits(parent_g, ftok), d2t, k)
         t, s, cand_parent_f = tree_lib.child_candidates(fscore, clogp, ctok)
         depth_tokens.append(t), depth_scores.append(s)
         depth_parents.append(jnp.take_along_axis(fidx, cand_parent_f, axis=1))
@@ -57,37 +72,54 @@ def tree_from_root(dparams, dcfg, view, cache: KVCache, root_g, root_tokens, spe
     return tree, jnp.full((b,), spec.tree_depth - 1, jnp.int32)
 
 
-def ingest_accepted(dparams, dcfg, view, cache: KVCache, tree, acc, feats, live):
+def ingest_accepted(ops: Ops, cache: KVCache, tree, acc, vout, live):
     """Ingest (f_{p+i}, x_{p+i+1}) for i = 0..m; the last output is the next root feature."""
     m = acc.num_accepted
-    z = drafter.eagle_inputs(dparams, dcfg, view, take_slots(feats, acc.path), emitted_tokens(tree, acc))
-    pos = cache.lengths[:, None] + jnp.arange(z.shape[1], dtype=jnp.int32)[None]
-    g, cache = drafter.run_layers(dparams, dcfg, z, pos, cache)
+    hidden = take_slots(ops.true_hidden(vout), acc.path)
+    pos = cache.lengths[:, None] + jnp.arange(hidden.shape[1], dtype=jnp.int32)[None]
+    g, cache = ops.step(hidden, emitted_tokens(tree, acc), pos, cache, None)
     return advance(cache, jnp.where(live, m + 1, 0)), take_slots(g, m[:, None])[:, 0]
 
 
-def init(rnd, prefill_out, root) -> State:
-    """Run the drafter over the prompt's (feature, next token) pairs; the root's is the last."""
-    b, t = rnd.prompt_tokens.shape
-    lcfg = rnd.dcfg.layer_config()
-    cache = init_cache(lcfg.num_layers, b, lcfg.num_kv_heads, rnd.capacity, lcfg.head_dim, jnp.float32)
-    lens = rnd.prompt_lens.astype(jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    nxt = jnp.concatenate([rnd.prompt_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
-    nxt = nxt.at[jnp.arange(b), lens - 1].set(root)
-    z = drafter.eagle_inputs(rnd.dparams, rnd.dcfg, rnd.view, prefill_out.features, nxt)
-    g, cache = drafter.run_layers(rnd.dparams, rnd.dcfg, z, pos, cache)
-    return State(cache.replace(lengths=lens), take_slots(g, (lens - 1)[:, None])[:, 0])
+def round_functions(make_ops: Callable):
+    """The method's init / draft / update for a drafter given by `make_ops(dparams, dcfg, view) -> Ops`."""
+
+    def init(rnd, prefill_out, root) -> State:
+        """Run the drafter over the prompt's (feature, next token) pairs; the root's is the last."""
+        ops = make_ops(rnd.dparams, rnd.dcfg, rnd.view)
+        b, t = rnd.prompt_tokens.shape
+        layers, kv_heads, head_dim = ops.cache_shape
+        cache = init_cache(layers, b, kv_heads, rnd.capacity, head_dim, jnp.float32)
+        lens = rnd.prompt_lens.astype(jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        nxt = jnp.concatenate([rnd.prompt_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
+        nxt = nxt.at[jnp.arange(b), lens - 1].set(root)
+        g, cache = ops.step(ops.true_hidden(prefill_out), nxt, pos, cache, None)
+        return State(cache.replace(lengths=lens), take_slots(g, (lens - 1)[:, None])[:, 0])
+
+    def draft(rnd, state: State, root, history, key) -> Draft:
+        tree, steps = tree_from_root(make_ops(rnd.dparams, rnd.dcfg, rnd.view), state.cache, state.root_g, root, rnd.spec, rnd.view.d2t)
+        return Draft(tree, state, steps)
+
+    def update(rnd, state: State, drft: Draft, acc, vout, live):
+        cache, root_g = ingest_accepted(make_ops(rnd.dparams, rnd.dcfg, rnd.view), state.cache, drft.tree, acc, vout, live)
+        return State(cache, root_g), live.astype(jnp.int32)
+
+    return init, draft, update
 
 
-def draft(rnd, state: State, root, history, key) -> Draft:
-    tree, steps = tree_from_root(rnd.dparams, rnd.dcfg, rnd.view, state.cache, state.root_g, root, rnd.spec)
-    return Draft(tree, state, steps)
+def ops(dp, dc, view) -> Ops:
+    """EAGLE-1/2: z = FC([feature; c * rms e(token)]) into the drafter's decoder layer(s)."""
+    lcfg = dc.layer_config()
+
+    def step(hidden, tokens, pos, cache, parents):
+        return drafter.run_layers(dp, dc, drafter.eagle_inputs(dp, dc, view, hidden, tokens), pos, cache, parents)
+
+    return Ops(step, lambda g, tokens: drafter.readout(dp, dc, view, g, tokens), lambda out: out.features,
+               (lcfg.num_layers, lcfg.num_kv_heads, lcfg.head_dim))
 
 
-def update(rnd, state: State, drft: Draft, acc, vout, live):
-    cache, root_g = ingest_accepted(rnd.dparams, rnd.dcfg, rnd.view, state.cache, drft.tree, acc, vout.features, live)
-    return State(cache, root_g), live.astype(jnp.int32)
+init, draft, update = round_functions(ops)
 
 
 def _check(d, spec):

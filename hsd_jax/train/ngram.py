@@ -31,6 +31,9 @@ def build_ngram_drafter(data_dirs, target, out: str, top_k: int = 8, command: st
             f"- data: {', '.join(f'`{d}`' for d in dirs)}",
             f"- {summary['pairs']} response bigrams; {summary['tokens_with_row']} tokens have their own row; top_k {top_k}",
             f"- built in {summary['seconds']} s" + (f" with `{command}`" if command else ""), ""]
-    with open(os.path.join(out, "MODEL_CARD.md"), "w") as f:
-        f.write("\n".join(card))
+    from hsd_jax.distributed import is_primary
+
+    if is_primary():
+        with open(os.path.join(out, "MODEL_CARD.md"), "w") as f:
+            f.write("\n".join(card))
     return summary

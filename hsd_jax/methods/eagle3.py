@@ -1,0 +1,58 @@
+"""EAGLE-3: fused low/mid/high target features, one layer over [token; hidden], its own LM head over
+a reduced vocabulary (`hsd_jax.models.eagle3`). The tree search, ingestion and prompt pass are
+EAGLE-2's (`methods.eagle`); only the drafter's step and read-out differ. Loads published EAGLE-3
+checkpoints (config.json + model.safetensors) as they are, or drafters saved by `save_drafter`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hsd_jax.config import ConfigError
+from hsd_jax.loading.errors import ModelLoadError
+from hsd_jax.methods.base import DrafterKind, Method
+from hsd_jax.methods.eagle import Ops, round_functions
+from hsd_jax.models import eagle3 as model
+
+
+def ops(dp, dc, view) -> Ops:
+    table = model.embedding(dp, view.embedding)
+
+    def step(hidden, tokens, pos, cache, parents):
+        return model.layer(dp, dc, hidden, jnp.take(table, tokens, axis=0), pos, cache, parents)
+
+    return Ops(step, lambda h, tokens: model.logits(dp, dc, h), lambda out: model.fuse(dp, out.aux_features),
+               dc.cache_shape)
+
+
+init, draft, update = round_functions(ops)
+
+
+def _config(raw: dict):
+    return model.Eagle3Config(**raw)
+
+
+def _random(target, seed: int, **overrides):
+    cfg = model.Eagle3Config.for_target(target.config, **overrides)
+    return model.init_params(cfg, jax.random.key(seed)), cfg, np.arange(cfg.vd, dtype=np.int32)
+
+
+def _finish(params, cfg, d2t, target):
+    if not isinstance(cfg, model.Eagle3Config):
+        raise ConfigError(f"an eagle3 drafter needs an EAGLE-3 config, got {type(cfg).__name__}")
+    cfg.check_target(target.config)
+    vocab = target.config.vocab_size
+    if d2t is None or len(d2t) != cfg.vd or (len(d2t) and (d2t.min() < 0 or d2t.max() >= vocab)):
+        raise ModelLoadError(f"eagle3 drafter draft-vocab map must hold {cfg.vd} target ids")
+    return params, cfg, np.asarray(d2t, np.int32)
+
+
+def _read(path: str, target):
+    """A published EAGLE-3 directory (config.json + model.safetensors), or None for our own format."""
+    return model.load_published(path, target.config) if model.is_published_dir(path) else None
+
+
+METHOD = Method("eagle3", "EAGLE-3: fused low/mid/high target features, own reduced-vocab head, dynamic tree",
+                init, draft, update, DrafterKind(config=_config, random=_random, finish=_finish, read=_read),
+                scratch=lambda spec: (spec.tree_depth - 1) * spec.tree_top_k)
