@@ -248,3 +248,44 @@ def test_export_writes_the_published_format_back_exactly(target, tmp_path, capsy
     assert again.config == d.config and again.d2t.tolist() == d.d2t.tolist()
     assert main(["export-eagle3", str(tmp_path / "published"), str(tmp_path / "x")]) == 2   # not our format
     assert "no drafter.json" in capsys.readouterr().err
+
+
+def test_training_time_test_unroll_matches_the_engine_tree_steps(target):
+    """Step k of the unrolled training pass at position q is what the engine computes for a depth-k
+    node at q: true inputs ingested up to q-k, then k-1 deeper steps along one tree path."""
+    import jax
+    import jax.numpy as jnp
+
+    from hsd_jax.cache import init_cache
+    from hsd_jax.models import eagle3, llama
+    from hsd_jax.train import losses
+
+    cfg = eagle3.Eagle3Config.for_target(target.config, draft_vocab_size=VOCAB)
+    params = eagle3.init_params(cfg, jax.random.key(1), std=0.1)
+    rng = np.random.default_rng(2)
+    w = 14
+    tokens = jnp.asarray(rng.integers(1, VOCAB, (1, w)), jnp.int32)
+    tcfg = target.config.replace(feature_layers=cfg.feature_layers)
+    pos = jnp.arange(w, dtype=jnp.int32)[None]
+    out = llama.forward(target.params, tcfg, tokens, pos, init_cache(tcfg.num_layers, 1, tcfg.num_kv_heads, 32, 8))
+    batch = losses.Batch(tokens, out.features, jnp.ones((1, w), bool), jnp.ones((1, w), bool),
+                         jnp.moveaxis(out.aux_features, 0, 2))
+    table = target.params["embed_tokens"]["embedding"]
+    outs = losses.unrolled_eagle3(params, cfg, table, batch, 3)
+    x_next = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], 1)
+    emb = jnp.take(table, x_next, axis=0)
+    fused = eagle3.fuse(params, out.aux_features)
+    for k in (1, 2, 3):
+        for q in (k - 1, 6, w - 2):
+            s = q - k + 1                                    # the chain's last true position
+            cache = init_cache(1, 1, cfg.num_kv_heads, 32, cfg.head_dim)
+            h, cache = eagle3.layer(params, cfg, fused[:, : s + 1], emb[:, : s + 1], pos[:, : s + 1], cache)
+            cache = cache.replace(lengths=cache.lengths + s + 1)
+            path, hid = [], h[:, -1:]                          # the hidden inputs along one tree path
+            for j in range(1, k):                            # the depth-(j+1) node at s + j, child of the last
+                path.append(hid)
+                got, _ = eagle3.layer(params, cfg, jnp.concatenate(path, 1), emb[:, s + 1: s + j + 1],
+                                      pos[:, s + 1: s + j + 1], cache, jnp.arange(-1, j - 1, dtype=jnp.int32)[None])
+                hid = got[:, -1:]
+            np.testing.assert_allclose(np.asarray(hid[0, 0]), np.asarray(outs[k - 1][0, q]), rtol=1e-4, atol=1e-4,
+                                       err_msg=f"step {k} at {q}")

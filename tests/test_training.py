@@ -211,6 +211,34 @@ def test_training_lowers_loss_and_raises_acceptance(tmp_path, tiny, tiny_data, k
     assert res.token_ids == ref.token_ids and res.stats["tau"] > 1.1
 
 
+def test_eagle3_training_lowers_loss_serves_losslessly_and_exports(tmp_path, tiny, tiny_data):
+    """`kind: eagle3`: the training-time-test unroll over fused target layers with the token loss
+    learns (loss down, acceptance up), the drafter serves lossless generation, and its published
+    export loads back to the same tokens."""
+    from hsd_jax import generate, load_drafter
+    from hsd_jax.api import export_eagle3
+
+    cfg = _cfg(tmp_path, tiny_data, kind="eagle3", draft_vocab_size=48)
+    final = train(cfg, target=tiny, progress=False, log=lambda *_: None)
+    untrained = json.load(open(os.path.join(cfg.out_dir, "metrics.json")))["history"][0]
+    assert json.load(open(os.path.join(cfg.out_dir, "train_config.json")))["feature_layers"] == [1, 0, 0]
+    assert final["loss_last"] < 0.7 * final["loss_first"]
+    # its own head is learnt from scratch on 2.7k tokens: it gains less than eagle's (frozen target head)
+    assert final["accept_by_depth"][0] > untrained["accept_by_depth"][0] + 0.05
+    assert final["chain_tau_estimate"] > untrained["chain_tau_estimate"] + 0.05
+    assert "bypass_accept_by_depth" not in final
+    dr = load_drafter("eagle3", os.path.join(cfg.out_dir, "drafter"), target=tiny)
+    assert len(dr.d2t) == 48
+    prompt = [[5, 9, 33, 2, 17, 40]]
+    ref = generate(tiny, prompt, max_new_tokens=24)[0]
+    kw = dict(max_new_tokens=24, method="eagle3", tree_nodes=6, tree_depth=3, tree_top_k=2)
+    res = generate(tiny, prompt, drafter=dr, **kw)[0]
+    assert res.token_ids == ref.token_ids and res.stats["tau"] > 1.0
+    export_eagle3(os.path.join(cfg.out_dir, "drafter"), str(tmp_path / "published"))
+    again = load_drafter("eagle3", str(tmp_path / "published"), target=tiny)
+    assert generate(tiny, prompt, drafter=again, **kw)[0].stats["rounds"] == res.stats["rounds"]
+
+
 def test_training_a_drafter_that_fuses_several_target_layers(tmp_path, tiny, tiny_data):
     """`feature_layers`: the cache keeps those layers' outputs, the drafter's FC fuses them as its
     true-feature input, and the trained drafter serves lossless generation."""

@@ -124,6 +124,30 @@ def fuse(params: dict, aux: jax.Array) -> jax.Array:
     return jnp.concatenate(list(aux), -1).astype(w.dtype) @ w
 
 
+def project(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, positions: jax.Array):
+    """Rotated q [B, Hq, T, Dh] and k, v [B, T, Hkv, Dh] of x = [input_layernorm(emb); hidden_norm(hidden)]."""
+    p = params["midlayer"]
+    dt = p["q_proj"]["kernel"].dtype
+    b, t, _ = hidden.shape
+    x = jnp.concatenate([rms_norm(emb, p["input_layernorm"]["scale"], cfg.rms_norm_eps),
+                         rms_norm(hidden, p["hidden_norm"]["scale"], cfg.rms_norm_eps)], -1).astype(dt)
+    inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    heads = lambda name, n: (x @ p[name]["kernel"]).reshape(b, t, n, cfg.head_dim)
+    q = apply_rope(heads("q_proj", cfg.num_heads), positions, inv).transpose(0, 2, 1, 3)
+    return q, apply_rope(heads("k_proj", cfg.num_kv_heads), positions, inv), heads("v_proj", cfg.num_kv_heads)
+
+
+def finish(params: dict, cfg: Eagle3Config, hidden: jax.Array, attn: jax.Array) -> jax.Array:
+    """h = hidden + o_proj(attn [B, Hq, T, Dh]), then the residual MLP: the layer's output [B, T, H]."""
+    p = params["midlayer"]
+    dt = p["q_proj"]["kernel"].dtype
+    b, t, _ = hidden.shape
+    h = hidden.astype(dt) + attn.transpose(0, 2, 1, 3).reshape(b, t, -1).astype(dt) @ p["o_proj"]["kernel"]
+    m = p["mlp"]
+    y = rms_norm(h, p["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
+    return h + (jax.nn.silu(y @ m["gate_proj"]["kernel"]) * (y @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
+
+
 def layer(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, positions: jax.Array,
           cache: KVCache, parents: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """The decoder layer over hidden [B, T, H] (fused features or its own earlier outputs) and token
@@ -131,28 +155,14 @@ def layer(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, po
     from hsd_jax.models.llama import causal_attention
     from pallas_kernels.tree_attention import tree_attention
 
-    p = params["midlayer"]
-    dt = p["q_proj"]["kernel"].dtype
-    b, t, _ = hidden.shape
-    eps = cfg.rms_norm_eps
-    x = jnp.concatenate([rms_norm(emb, p["input_layernorm"]["scale"], eps),
-                         rms_norm(hidden, p["hidden_norm"]["scale"], eps)], -1).astype(dt)
-    inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    heads = lambda name, n: (x @ p[name]["kernel"]).reshape(b, t, n, cfg.head_dim)
-    q = apply_rope(heads("q_proj", cfg.num_heads), positions, inv).transpose(0, 2, 1, 3)
-    k = apply_rope(heads("k_proj", cfg.num_kv_heads), positions, inv)
-    v = heads("v_proj", cfg.num_kv_heads)
+    q, k, v = project(params, cfg, hidden, emb, positions)
     ck = write_layer(cache.k, 0, k, cache.lengths)
     cv = write_layer(cache.v, 0, v, cache.lengths)
     if parents is None:
         attn = causal_attention(q, ck[0], cv[0], cache.lengths)
     else:
         attn = tree_attention(q, ck[0], cv[0], cache.lengths, parents, impl="reference")
-    h = hidden.astype(dt) + attn.transpose(0, 2, 1, 3).reshape(b, t, -1).astype(dt) @ p["o_proj"]["kernel"]
-    m = p["mlp"]
-    y = rms_norm(h, p["post_attention_layernorm"]["scale"], eps)
-    h = h + (jax.nn.silu(y @ m["gate_proj"]["kernel"]) * (y @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
-    return h, cache.replace(k=ck, v=cv)
+    return finish(params, cfg, hidden, attn), cache.replace(k=ck, v=cv)
 
 
 def logits(params: dict, cfg: Eagle3Config, h: jax.Array) -> jax.Array:

@@ -105,6 +105,14 @@ def _step_mask(batch: Batch, k: int):
     return batch.valid & start_ok
 
 
+def _ce_picks(batch: Batch, key, ce_positions: int):
+    """`ce_positions` response positions per row drawn with replacement ([B, n]), and whether a row has any."""
+    b, w = batch.valid.shape
+    logits_p = jnp.where(batch.valid, 0.0, -jnp.inf)
+    pick = jax.random.categorical(key, jnp.broadcast_to(logits_p[:, None], (b, ce_positions, w)), axis=-1)
+    return pick, jnp.any(batch.valid, 1, keepdims=True)
+
+
 def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_positions: int,
                  weights: LossWeights = LossWeights()):
     """Smooth-L1 feature regression on all positions plus draft-vocab cross-entropy on
@@ -112,14 +120,11 @@ def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_p
     cross-entropy's label is the data's next token, or with `weights.soft_labels` the target's
     whole distribution over the draft vocabulary (KL up to a constant)."""
     outs = unrolled_features(params, dcfg, view, batch, steps)
-    b, w, _ = batch.features.shape
     f_next = jnp.concatenate([batch.features[:, 1:], batch.features[:, -1:]], 1).astype(jnp.float32)
     x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
     labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
     ctx = path_context(batch.tokens, dcfg.readout_context - 1)
-    logits_p = jnp.where(batch.valid, 0.0, -jnp.inf)
-    pick = jax.random.categorical(key, jnp.broadcast_to(logits_p[:, None], (b, ce_positions, w)), axis=-1)
-    has_any = jnp.any(batch.valid, 1, keepdims=True)
+    pick, has_any = _ce_picks(batch, key, ce_positions)
     soft = None
     if weights.soft_labels:
         soft = jax.lax.stop_gradient(target_draft_probs(view, jnp.take_along_axis(f_next, pick[..., None], 1),
@@ -162,7 +167,6 @@ def chain_acceptance(params, dcfg, view, t2d, batch: Batch, steps: int):
     f_next = jnp.concatenate([feats[:, 1:], feats[:, -1:]], 1)
     x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
     labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
-    w = batch.tokens.shape[1]
     correct, masks, sums = [], [], {k: [] for k in ("bypass_correct", "feature_err", "copy_err")}
     ctx = path_context(batch.tokens, dcfg.readout_context - 1)
     top1 = lambda g: jnp.take(view.d2t, jnp.argmax(dmod.readout(params, dcfg, view, g, x_next, ctx), -1))
@@ -175,18 +179,76 @@ def chain_acceptance(params, dcfg, view, t2d, batch: Batch, steps: int):
         sums["bypass_correct"].append(((top1(last_true) == labels) & mask).sum())
         sums["feature_err"].append((rms(g - f_next) * mask).sum())
         sums["copy_err"].append((rms(last_true - f_next) * mask).sum())
-    # chain starting at s: depth k is read at position s + k - 1
+    return dict(_acceptance_sums(batch, correct, masks), **{k: jnp.stack(v) for k, v in sums.items()})
+
+
+def _acceptance_sums(batch: Batch, correct: list, masks: list) -> dict:
+    """Per-depth top-1 hits and totals, and the accepted length of every full-depth chain
+    (a chain starting at s reads depth k at position s + k - 1)."""
+    steps, w = len(correct), batch.tokens.shape[1]
     start_ok = batch.chain_ok & batch.valid & (jnp.arange(w) + steps - 1 < w)
     run = jnp.ones_like(start_ok)
     acc_len = jnp.zeros(start_ok.shape, jnp.int32)
     for k in range(steps):
-        ok = jnp.roll(correct[k] & masks[k], -k, axis=1)
-        run = run & ok
+        run = run & jnp.roll(correct[k] & masks[k], -k, axis=1)
         acc_len = acc_len + run
-    out = {"correct": jnp.stack([(c & mk).sum() for c, mk in zip(correct, masks)]),
-           "total": jnp.stack([mk.sum() for mk in masks]),
-           "accepted": (acc_len * start_ok).sum(), "chains": start_ok.sum()}
-    return dict(out, **{k: jnp.stack(v) for k, v in sums.items()})
+    return {"correct": jnp.stack([(c & mk).sum() for c, mk in zip(correct, masks)]),
+            "total": jnp.stack([mk.sum() for mk in masks]),
+            "accepted": (acc_len * start_ok).sum(), "chains": start_ok.sum()}
+
+
+def unrolled_eagle3(params, cfg, table, batch: Batch, steps: int) -> list[jax.Array]:
+    """EAGLE-3's training-time test: outputs H^(k) [B, W, H] for k = 1..steps. Step 1 reads the fused
+    target features fc([low; mid; high]) at q, step k the drafter's own step-(k-1) output at q-1,
+    always with the token x_{q+1}; attention sees each earlier position at its own source step."""
+    from hsd_jax.models import eagle3
+
+    b, w = batch.tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
+    emb = jnp.take(table, x_next, axis=0).astype(jnp.float32)
+    hidden = h0 = eagle3.fuse(params, jnp.moveaxis(batch.aux, 2, 0).astype(jnp.float32))
+    ks, vs, outs = [], [], []
+    for k in range(1, steps + 1):
+        q, kk, vv = eagle3.project(params, cfg, hidden, emb, pos)
+        ks.append(kk), vs.append(vv)
+        outs.append(eagle3.finish(params, cfg, hidden, multi_source_attention(q, ks, vs, k)))
+        hidden = _shift_right(outs[-1], h0)
+    return outs
+
+
+def eagle3_loss(params, cfg, table, t2d, batch: Batch, key, *, steps: int, ce_positions: int,
+                step_decay: float = 0.8):
+    """EAGLE-3's token loss: draft-vocab cross-entropy of the data's next token at every unroll step
+    on `ce_positions` sampled response positions per row (no feature regression)."""
+    from hsd_jax.models import eagle3
+
+    outs = unrolled_eagle3(params, cfg, table, batch, steps)
+    labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
+    pick, has_any = _ce_picks(batch, key, ce_positions)
+    lab = t2d[jnp.take_along_axis(labels, pick, 1)]
+    total, metrics = 0.0, {}
+    for k, h in enumerate(outs, 1):
+        m = _step_mask(batch, k)
+        logits = eagle3.logits(params, cfg, jnp.take_along_axis(h, pick[..., None], 1))
+        mask = jnp.take_along_axis(m, pick, 1) & has_any & (lab >= 0)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(lab, 0))
+        ce = (ce * mask).sum() / jnp.maximum(mask.sum(), 1)
+        acc = ((jnp.argmax(logits, -1) == lab) * mask).sum() / jnp.maximum(mask.sum(), 1)
+        total = total + step_decay ** (k - 1) * ce
+        metrics.update({f"ce_{k}": ce, f"acc_{k}": acc})
+    return total, metrics
+
+
+def eagle3_acceptance(params, cfg, table, d2t, batch: Batch, steps: int) -> dict:
+    """Held-out top-1 acceptance by depth along the target's greedy path, and chain lengths
+    (`chain_acceptance`'s first sums; EAGLE-3's state is not a target feature, so no feature rows)."""
+    from hsd_jax.models import eagle3
+
+    outs = unrolled_eagle3(params, cfg, table, batch, steps)
+    labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
+    correct = [jnp.take(d2t, jnp.argmax(eagle3.logits(params, cfg, h), -1)) == labels for h in outs]
+    return _acceptance_sums(batch, correct, [_step_mask(batch, k) for k in range(1, steps + 1)])
 
 
 def _draft_lm_logits(params, cfg, tokens):

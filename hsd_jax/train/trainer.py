@@ -47,7 +47,8 @@ class TrainConfig:
     injection: str = "fused"
     readout: str = "fused"
     readout_context: int = 1  # path tokens the fused read-out sees (hsd: 1 = the current token only)
-    feature_layers: tuple = ()  # hsd: target layers whose outputs the drafter fuses (FC) as its true-feature input
+    feature_layers: tuple = ()  # hsd / eagle3: target layers whose outputs the drafter fuses (FC) as its input
+    #                             (eagle3 default: outputs of layers 1, L//2-1, L-4, as EAGLE-3 publishes)
     save_every: int = 100
     eval_every: int = 250
     max_to_keep: int = 2
@@ -60,15 +61,17 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.kind not in ("hsd", "eagle", "sd"):
-            raise ConfigError(f"kind must be hsd, eagle or sd, got {self.kind!r}")
+        if self.kind not in ("hsd", "eagle", "eagle3", "sd"):
+            raise ConfigError(f"kind must be hsd, eagle, eagle3 or sd, got {self.kind!r}")
         if self.sd_layers < 1:
             raise ConfigError(f"sd_layers must be >= 1, got {self.sd_layers}")
         if isinstance(self.data_dir, list):
             object.__setattr__(self, "data_dir", tuple(self.data_dir))
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
-        if self.feature_layers and self.kind != "hsd":
-            raise ConfigError(f"feature_layers is implemented for hsd drafters, not {self.kind!r}")
+        if self.feature_layers and self.kind not in ("hsd", "eagle3"):
+            raise ConfigError(f"feature_layers is implemented for hsd and eagle3 drafters, not {self.kind!r}")
+        if self.kind == "eagle3" and self.feature_layers and len(self.feature_layers) != 3:
+            raise ConfigError(f"eagle3 fuses 3 target layers (low, mid, high), got {self.feature_layers}")
         if not self.data_dir or not all(isinstance(d, str) and d for d in self.data_dirs):
             raise ConfigError(f"data_dir must be a directory or a list of them, got {self.data_dir!r}")
         if not self.out_dir:
@@ -243,7 +246,7 @@ def run_vocab(cfg: TrainConfig, target, data: SequenceData, init=None) -> tuple[
         with np.load(path, allow_pickle=False) as z:
             return z["d2t"].astype(np.int32), float(z["feature_rms"])
     if init is not None:
-        d2t, rms = np.asarray(init.d2t, np.int32), float(init.config.feature_rms)
+        d2t, rms = np.asarray(init.d2t, np.int32), float(getattr(init.config, "feature_rms", 1.0))
     else:
         rows = [data.rows[r] for r in data.train]  # training rows only: held-out coverage stays honest
         d2t = draft_vocab([r[0] for r in rows], [r[3] for r in rows], target.config.vocab_size, cfg.draft_vocab_size)
@@ -288,6 +291,35 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     else:
         params = _float32(init.params)
     return dict(params=params, loss=loss, accept=accept, consts={"view": view, "t2d": t2d}, config=dcfg, d2t=d2t)
+
+
+def _eagle3_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
+    """EAGLE-3 drafter: fused low/mid/high features, training-time-test unroll, token loss only,
+    reduced vocabulary from the same data as the other drafters."""
+    from hsd_jax.models import eagle3
+
+    init = _init_drafter(cfg, target)
+    d2t, _ = run_vocab(cfg, target, data, init)
+    t2d = np.full(target.config.vocab_size, -1, np.int32)
+    t2d[d2t] = np.arange(len(d2t), dtype=np.int32)
+    dcfg = eagle3.Eagle3Config.for_target(target.config, draft_vocab_size=len(d2t), feature_layers=cfg.feature_layers)
+    dcfg.check_target(target.config)
+
+    def loss(params, batch, key, consts):
+        return losses.eagle3_loss(params, dcfg, consts["table"], consts["t2d"], batch, key, steps=cfg.unroll,
+                                  ce_positions=cfg.ce_positions)
+
+    def accept(params, batch, consts):
+        return losses.eagle3_acceptance(params, dcfg, consts["table"], consts["d2t"], batch, cfg.unroll)
+
+    if init is None:
+        params = eagle3.init_params(dcfg, jax.random.key(cfg.seed), std=0.02)
+    elif init.config != dcfg or not np.array_equal(init.d2t, d2t):
+        raise ConfigError(f"init_from {cfg.init_from!r} does not match this run's eagle3 drafter")
+    else:
+        params = _float32(init.params)
+    consts = {"table": target.params["embed_tokens"]["embedding"], "t2d": jnp.asarray(t2d), "d2t": jnp.asarray(d2t)}
+    return dict(params=params, loss=loss, accept=accept, consts=consts, config=dcfg, d2t=d2t)
 
 
 def _float32(tree):
@@ -377,6 +409,10 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
         if not os.path.isdir(data_dir) or not shard_paths(data_dir):
             raise DataError(f"no training data in {data_dir!r}: run `hsd data generate --out {data_dir}`")
     target = target or load_target(cfg.model, max_cache_len=512, tokenizer=False)
+    if cfg.kind == "eagle3" and not cfg.feature_layers:   # the layers EAGLE-3 publishes for this depth
+        from hsd_jax.models.eagle3 import Eagle3Config
+
+        cfg = dataclasses.replace(cfg, feature_layers=Eagle3Config.default_layers(target.config.num_layers))
     cache_dir = None
     if cfg.kind != "sd":
         cache_dir = cfg.feature_cache or os.path.join(cfg.out_dir, "features")
@@ -389,7 +425,12 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
         sharding.check_mesh(target.config, mesh, cfg.batch_size, "target")
         target = dataclasses.replace(target, params=sharding.shard_params(target.params, mesh))
         place = lambda tree: jax.tree.map(lambda x: sharding.shard_batch(x, mesh), tree)
-    task = _sd_task(cfg, target) if cfg.kind == "sd" else _feature_task(cfg, target, data)
+    if cfg.kind == "sd":
+        task = _sd_task(cfg, target)
+    elif cfg.kind == "eagle3":
+        task = _eagle3_task(cfg, target, data)
+    else:
+        task = _feature_task(cfg, target, data)
     params = task["params"]
     tx = make_optimizer(cfg)
     state = {"params": params, "opt": tx.init(params)}
