@@ -312,8 +312,12 @@ def _eagle3_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     def accept(params, batch, consts):
         return losses.eagle3_acceptance(params, dcfg, consts["table"], consts["d2t"], batch, cfg.unroll)
 
-    if init is None:
+    if init is None:   # the head starts as the target's (final norm, LM head columns of the draft vocabulary)
         params = eagle3.init_params(dcfg, jax.random.key(cfg.seed), std=0.02)
+        from hsd_jax.models.llama import lm_head_weight
+
+        params["lm_head"]["kernel"] = jnp.take(lm_head_weight(target.params, target.config), jnp.asarray(d2t), axis=1)
+        params["norm"]["scale"] = jnp.asarray(target.params["norm"]["scale"], jnp.float32)
     elif init.config != dcfg or not np.array_equal(init.d2t, d2t):
         raise ConfigError(f"init_from {cfg.init_from!r} does not match this run's eagle3 drafter")
     else:
