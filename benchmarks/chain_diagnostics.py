@@ -19,7 +19,6 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 def diagnose(target, drafter, data, batch_size: int, depth: int) -> dict:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from hsd_jax.models import drafter as dmod
     from hsd_jax.train import losses
@@ -28,8 +27,7 @@ def diagnose(target, drafter, data, batch_size: int, depth: int) -> dict:
     params = _float32(drafter.params)
     cfg = drafter.config
     view = dmod.target_view(target.params, target.config, drafter.d2t)
-    t2d = np.full(target.config.vocab_size, -1, np.int32)
-    t2d[drafter.d2t] = np.arange(len(drafter.d2t), dtype=np.int32)
+    t2d = dmod.target_to_draft(drafter.d2t, target.config.vocab_size)
     fn = jax.jit(lambda p, b: losses.chain_acceptance(p, cfg, view, jnp.asarray(t2d), b, depth))
     return heldout_report(lambda b: fn(params, b), data, batch_size)
 

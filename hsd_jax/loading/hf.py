@@ -13,7 +13,7 @@ from hsd_jax.loading.errors import ModelLoadError
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
     if not os.path.isfile(path):
         raise ModelLoadError(f"missing file: {path}")
     try:
@@ -61,17 +61,22 @@ def hf_config(d: dict, source: str, **overrides) -> ModelConfig:
         raise ModelLoadError(f"{source}: {e}") from None
 
 
+def has_pickle_weights(path: str) -> bool:
+    """A directory with PyTorch pickle weights (.bin/.pt/.pth): never loaded, it can run code."""
+    return any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path))
+
+
 def _tensor_files(path: str) -> dict[str, str]:
     """Map tensor name -> safetensors file, from the index or the single file."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index} has no weight_map")
         return {k: os.path.join(path, v) for k, v in weight_map.items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.isfile(single):
-        if any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path)):
+        if has_pickle_weights(path):
             raise ModelLoadError(f"{path}: only pickle weights found; hsd-jax loads safetensors "
                                  "only (pickle files can run code). Convert with save_pretrained("
                                  "..., safe_serialization=True)")
@@ -87,7 +92,7 @@ def load_hf_dir(path: str, host: bool = False, **overrides) -> tuple[ModelConfig
 
     if not os.path.isdir(path):
         raise ModelLoadError(f"model directory not found: {path}")
-    cfg = hf_config(_read_json(os.path.join(path, "config.json")), path, **overrides)
+    cfg = hf_config(read_json(os.path.join(path, "config.json")), path, **overrides)
     files = _tensor_files(path)
     handles: dict = {}
 

@@ -84,9 +84,12 @@ def ingest_accepted(ops: Ops, cache: KVCache, tree, acc, vout, live):
 def round_functions(make_ops: Callable):
     """The method's init / draft / update for a drafter given by `make_ops(dparams, dcfg, view) -> Ops`."""
 
+    def bound(rnd) -> Ops:
+        return make_ops(rnd.dparams, rnd.dcfg, rnd.view)
+
     def init(rnd, prefill_out, root) -> State:
         """Run the drafter over the prompt's (feature, next token) pairs; the root's is the last."""
-        ops = make_ops(rnd.dparams, rnd.dcfg, rnd.view)
+        ops = bound(rnd)
         b, t = rnd.prompt_tokens.shape
         layers, kv_heads, head_dim = ops.cache_shape
         cache = init_cache(layers, b, kv_heads, rnd.capacity, head_dim, jnp.float32)
@@ -98,11 +101,11 @@ def round_functions(make_ops: Callable):
         return State(cache.replace(lengths=lens), take_slots(g, (lens - 1)[:, None])[:, 0])
 
     def draft(rnd, state: State, root, history, key) -> Draft:
-        tree, steps = tree_from_root(make_ops(rnd.dparams, rnd.dcfg, rnd.view), state.cache, state.root_g, root, rnd.spec, rnd.view.d2t)
+        tree, steps = tree_from_root(bound(rnd), state.cache, state.root_g, root, rnd.spec, rnd.view.d2t)
         return Draft(tree, state, steps)
 
     def update(rnd, state: State, drft: Draft, acc, vout, live):
-        cache, root_g = ingest_accepted(make_ops(rnd.dparams, rnd.dcfg, rnd.view), state.cache, drft.tree, acc, vout, live)
+        cache, root_g = ingest_accepted(bound(rnd), state.cache, drft.tree, acc, vout, live)
         return State(cache, root_g), live.astype(jnp.int32)
 
     return init, draft, update

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsd_jax.config import ConfigError
-from hsd_jax.loading.errors import ModelLoadError
 from hsd_jax.methods.base import DrafterKind, Method
 from hsd_jax.methods.eagle import Ops, round_functions
+from hsd_jax.methods.features import check_draft_vocab
 from hsd_jax.models import eagle3 as model
 
 
@@ -42,9 +42,7 @@ def _finish(params, cfg, d2t, target):
     if not isinstance(cfg, model.Eagle3Config):
         raise ConfigError(f"an eagle3 drafter needs an EAGLE-3 config, got {type(cfg).__name__}")
     cfg.check_target(target.config)
-    vocab = target.config.vocab_size
-    if d2t is None or len(d2t) != cfg.vd or (len(d2t) and (d2t.min() < 0 or d2t.max() >= vocab)):
-        raise ModelLoadError(f"eagle3 drafter draft-vocab map must hold {cfg.vd} target ids")
+    check_draft_vocab(d2t, cfg.vd, target.config.vocab_size, "eagle3 drafter")
     return params, cfg, np.asarray(d2t, np.int32)
 
 

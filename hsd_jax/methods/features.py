@@ -9,6 +9,12 @@ from hsd_jax.loading.errors import ModelLoadError
 from hsd_jax.methods.base import DrafterKind
 
 
+def check_draft_vocab(d2t, vd: int, vocab: int, what: str = "drafter") -> None:
+    """Refuse a draft-vocab map that is not `vd` ids inside the target's vocabulary."""
+    if d2t is None or len(d2t) != vd or (len(d2t) and (d2t.min() < 0 or d2t.max() >= vocab)):
+        raise ModelLoadError(f"{what} draft-vocab map must hold {vd} target ids")
+
+
 def feature_drafter(kind: str) -> DrafterKind:
     from hsd_jax.models.drafter import DrafterConfig, init_drafter_params
 
@@ -25,9 +31,7 @@ def feature_drafter(kind: str) -> DrafterKind:
         if cfg.kind != kind:
             raise ConfigError(f"a {kind} drafter needs a {kind!r} drafter config, got {cfg.kind!r}")
         cfg.check_target(target.config)
-        vocab = target.config.vocab_size
-        if d2t is None or len(d2t) != cfg.vd or (len(d2t) and (d2t.min() < 0 or d2t.max() >= vocab)):
-            raise ModelLoadError(f"drafter draft-vocab map must hold {cfg.vd} target ids")
+        check_draft_vocab(d2t, cfg.vd, target.config.vocab_size)
         return params, cfg, d2t
 
     return DrafterKind(config=config, random=random, finish=finish)

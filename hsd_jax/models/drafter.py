@@ -120,6 +120,13 @@ def target_view(target_params, target_cfg: ModelConfig, d2t) -> TargetView:
                       target_params["embed_tokens"]["embedding"], d2t)
 
 
+def target_to_draft(d2t, vocab_size: int) -> np.ndarray:
+    """The inverse of the draft-vocab map: target id -> draft id, -1 outside the draft vocabulary."""
+    t2d = np.full(vocab_size, -1, np.int32)
+    t2d[np.asarray(d2t)] = np.arange(len(d2t), dtype=np.int32)
+    return t2d
+
+
 def _unit_rms(x):
     """x scaled to unit RMS (no learned scale): puts features (~30) and embeddings (~0.1) on par."""
     xf = x.astype(jnp.float32)

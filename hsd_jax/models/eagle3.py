@@ -214,15 +214,13 @@ def load_published(path: str, target_cfg: ModelConfig) -> tuple[dict, Eagle3Conf
     Reads safetensors only: a pickle checkpoint is refused with a conversion route."""
     from safetensors import safe_open
 
+    from hsd_jax.loading.hf import has_pickle_weights, read_json
+
     source = os.path.join(path, "config.json")
-    try:
-        with open(source) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{source} is not valid JSON: {e}") from None
+    raw = read_json(source)
     weights = os.path.join(path, "model.safetensors")
     if not os.path.isfile(weights):
-        if any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path)):
+        if has_pickle_weights(path):
             raise ModelLoadError(
                 f"{path}: only a pickle checkpoint (pytorch_model.bin) is there; hsd-jax never unpickles (it can run "
                 "code). Convert it once where you trust the file: python -c \"import torch; from safetensors.torch "

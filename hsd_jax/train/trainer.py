@@ -264,9 +264,7 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
 
     init = _init_drafter(cfg, target)
     d2t, rms = run_vocab(cfg, target, data, init)
-    t2d = np.full(target.config.vocab_size, -1, np.int32)
-    t2d[d2t] = np.arange(len(d2t), dtype=np.int32)
-    t2d = jnp.asarray(t2d)
+    t2d = jnp.asarray(dmod.target_to_draft(d2t, target.config.vocab_size))
     dcfg = dmod.DrafterConfig.for_target(cfg.kind, target.config, draft_vocab_size=len(d2t),
                                          injection=cfg.injection, readout=cfg.readout,
                                          readout_context=cfg.readout_context,
@@ -297,11 +295,11 @@ def _eagle3_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     """EAGLE-3 drafter: fused low/mid/high features, training-time-test unroll, token loss only,
     reduced vocabulary from the same data as the other drafters."""
     from hsd_jax.models import eagle3
+    from hsd_jax.models.drafter import target_to_draft
 
     init = _init_drafter(cfg, target)
     d2t, _ = run_vocab(cfg, target, data, init)
-    t2d = np.full(target.config.vocab_size, -1, np.int32)
-    t2d[d2t] = np.arange(len(d2t), dtype=np.int32)
+    t2d = target_to_draft(d2t, target.config.vocab_size)
     dcfg = eagle3.Eagle3Config.for_target(target.config, draft_vocab_size=len(d2t), feature_layers=cfg.feature_layers)
     dcfg.check_target(target.config)
 
