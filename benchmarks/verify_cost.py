@@ -2,8 +2,9 @@
 against one decode step (batch 1, a filled KV cache), all N interleaved round by round so a
 machine's drift hits every N alike; medians.
 
-Two programs per N, both jitted as the engine runs them: `forward` (the layers, tree attention,
-the cache write) and `verify` (forward plus the LM head on every slot, as `engine.verify_tree`).
+Three programs per N, jitted as the engine runs them: `forward` (the layers, tree attention,
+the cache write), `verify` (forward plus the LM head on every slot, as `engine.verify_tree`) and
+`verify_dot_head` (the same with the head as one dot, the form before `llama.streams_head_rows`).
 
     python benchmarks/verify_cost.py --json benchmarks/results/cpu-2cores/verify_cost.json
 """
@@ -46,9 +47,14 @@ def main() -> None:
 
     def verify(params, toks, pos, cache, parents):
         out = llama.forward(params, cfg, toks, pos, cache, parents)
-        return llama.logits_from_features(params, cfg, out.features)
+        return llama.serving_logits(params, cfg, out.features)
 
-    programs = {"forward": jax.jit(forward), "verify": jax.jit(verify)}
+    def verify_dot_head(params, toks, pos, cache, parents):
+        out = llama.forward(params, cfg, toks, pos, cache, parents)
+        h = llama.final_norm(params, cfg, out.features)
+        return jnp.einsum("...d,dv->...v", h, llama.lm_head_weight(params, cfg))
+
+    programs = {"forward": jax.jit(forward), "verify": jax.jit(verify), "verify_dot_head": jax.jit(verify_dot_head)}
     inputs = {}
     for n in sizes:
         cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, args.context + n + 64, cfg.head_dim, jnp_dtype(cfg))
@@ -71,7 +77,7 @@ def main() -> None:
         out[name] = {"ms": ms, "ratio_to_n1": [round(m / ms[0], 3) for m in ms]}
     out["ms"], out["ratio_to_n1"] = out["verify"]["ms"], out["verify"]["ratio_to_n1"]
     for name in programs:
-        print(f"{name:8s} " + "  ".join(f"{n}:{m:.1f}ms/{r:.2f}x" for n, m, r in
+        print(f"{name:16s} " + "  ".join(f"{n}:{m:.1f}ms/{r:.2f}x" for n, m, r in
                                        zip(sizes, out[name]["ms"], out[name]["ratio_to_n1"])))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

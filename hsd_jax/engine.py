@@ -42,7 +42,7 @@ def decode_step(params, cfg: ModelConfig, tokens, cache: KVCache):
     b = tokens.shape[0]
     parents = jnp.full((b, 1), -1, jnp.int32)
     out = llama.forward(params, cfg, tokens[:, None], cache.lengths[:, None], cache, parents)
-    logits = llama.logits_from_features(params, cfg, out.features[:, 0])
+    logits = llama.serving_logits(params, cfg, out.features[:, 0])
     return logits, out.features[:, 0], advance(out.cache, jnp.ones((b,), jnp.int32))
 
 
@@ -184,7 +184,7 @@ def verify_tree(tparams, tcfg: ModelConfig, cache: KVCache, tree: Tree):
     """One target forward over all tree slots with tree attention. Returns (logits [B,T,V], ForwardOutput)."""
     pos = tree_lib.positions(tree, cache.lengths)
     out = llama.forward(tparams, tcfg, tree.tokens, pos, cache, tree.parents)
-    return llama.logits_from_features(tparams, tcfg, out.features), out
+    return llama.serving_logits(tparams, tcfg, out.features), out
 
 
 def commit(cache: KVCache, acc: Accepted, live) -> KVCache:

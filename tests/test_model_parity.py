@@ -72,3 +72,25 @@ def test_sharded_checkpoint_loads(tmp_path):
     model.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="100KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     _check_dir_matches(tmp_path / "sharded", model)
+
+
+def test_streamed_head_matches_the_dot(smol):
+    """The serving head's one-pass form (CPU, 2-32 rows) gives the dot's logits and argmax."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from hsd_jax.models import llama
+
+    cfg = smol.config
+    assert [llama.streams_head_rows(cfg, n) for n in (1, 2, 32, 33)] == [False, True, True, False]
+    assert not llama.streams_head_rows(dataclasses.replace(cfg, dtype="bfloat16"), 4)
+    assert not llama.streams_head_rows(dataclasses.replace(cfg, tie_word_embeddings=False), 4)
+    for shape in ((1, 3), (2, 9), (4, 8)):
+        feats = 32.0 * jax.random.normal(jax.random.key(sum(shape)), shape + (cfg.hidden_size,))
+        streamed = jax.jit(llama.serving_logits, static_argnums=1)(smol.params, cfg, feats)
+        dot = jax.jit(llama.logits_from_features, static_argnums=1)(smol.params, cfg, feats)
+        assert streamed.shape == dot.shape == shape + (cfg.vocab_size,)
+        assert float(jnp.abs(streamed - dot).max()) < 1e-3
+        assert (jnp.argmax(streamed, -1) == jnp.argmax(dot, -1)).all()

@@ -34,7 +34,7 @@ def sample_chain(dparams, dcfg: ModelConfig, cache: KVCache, root_tokens, key, g
     toks, qs, last = [], [], root_tokens
     for i in range(gamma):
         f, cache = _one_token(dparams, dcfg, cache, last, i)
-        logits = llama.logits_from_features(dparams, dcfg, f)
+        logits = llama.serving_logits(dparams, dcfg, f)
         key, sub = jax.random.split(key)
         q = target_probs(logits, sampling)
         last = jnp.argmax(logits, -1).astype(jnp.int32) if sampling.greedy else sample_from_probs(q, sub)
