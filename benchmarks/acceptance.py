@@ -18,9 +18,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--methods", default="hsd-noreuse,hsd-refresh,hsd-chain,eagle,sd,ngram")
-    ap.add_argument("--tree-nodes", type=int, default=None, help="default: the tuned tree for this hardware")
-    ap.add_argument("--tree-depth", type=int, default=None)
-    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--tree-nodes", type=int, default=None, help="default: SpecConfig's (8)")
+    ap.add_argument("--tree-depth", type=int, default=None, help="default: SpecConfig's (4)")
+    ap.add_argument("--top-k", type=int, default=None, help="default: SpecConfig's (3)")
     ap.add_argument("--drafter", action="append", default=[], metavar="KIND=DIR",
                     help="use this drafter directory for a kind (e.g. hsd=runs/smollm2_hsd_v2/drafter); default: shipped")
     ap.add_argument("--json", default=None)

@@ -18,7 +18,8 @@ from hsd_jax.tuning import hardware_key, save_tuned
 
 def verify_cost_curve(target, sizes=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64), context: int = 256,
                       repeats: int = 5) -> dict[int, float]:
-    """Milliseconds of one target forward over N new tree tokens after `context` cached tokens."""
+    """Milliseconds of one verify (target forward and LM head over N new tree tokens, as
+    `engine.verify_tree` runs it) after `context` cached tokens."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -28,7 +29,11 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64), con
     from hsd_jax.models.layers import jnp_dtype
 
     cfg = target.config
-    fwd = jax.jit(llama.forward, static_argnums=1)
+
+    @jax.jit
+    def verify(params, toks, pos, cache, parents):
+        return llama.serving_logits(params, cfg, llama.forward(params, cfg, toks, pos, cache, parents).features)
+
     out = {}
     for n in sizes:
         cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + n + 64, cfg.head_dim,
@@ -37,11 +42,11 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64), con
         toks = jnp.ones((1, n), jnp.int32)
         parents = jnp.asarray(np.arange(n)[None] - 1, jnp.int32)
         pos = context + jnp.arange(n, dtype=jnp.int32)[None]
-        jax.block_until_ready(fwd(target.params, cfg, toks, pos, cache, parents))
+        jax.block_until_ready(verify(target.params, toks, pos, cache, parents))
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(fwd(target.params, cfg, toks, pos, cache, parents))
+            jax.block_until_ready(verify(target.params, toks, pos, cache, parents))
             ts.append(time.perf_counter() - t0)
         out[n] = round(statistics.median(ts) * 1e3, 3)
     return out
