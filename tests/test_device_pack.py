@@ -38,8 +38,7 @@ def test_dry_run_every_part_succeeds_and_returns_at_most_eight_flat_files(dry_ru
     files = sorted(p.name for p in out.iterdir())
     assert all((out / f).is_file() for f in files), files          # nothing nested: the device returns files
     assert len(files) <= 8, files
-    assert {"summary.md", "results.json", "log.txt", "bench.png", "tuned.json", "drafter_hsd.tar",
-            "drafter_eagle.tar"} <= set(files)
+    assert {"summary.md", "results.json", "log.txt", "bench.png", "tuned.json", "drafters.tar"} <= set(files)
     parts = json.loads((out / "results.json").read_text())["parts"]
     assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(
         ("smoke", "train", "bench", "tune", "kernel"), "ok")
@@ -52,7 +51,7 @@ def test_dry_run_results_are_real_measurements(dry_run):
     assert all(row["identical_to_ar"] for dt in ("float32", "bfloat16") for k, row in smoke[dt].items() if k != "ar")
     train = parts["train"]
     assert train["data"]["response_tokens"] > 0 and train["data"]["sequences"] >= 8
-    for kind in ("hsd", "eagle"):
+    for kind in ("hsd", "eagle", "eagle3"):
         run = train["runs"][kind]
         assert run["step"] >= 1 and len(run["accept_by_depth"]) == 2 and run["steps_per_s"] > 0
     for key in ("batch8", "batch1"):
@@ -72,12 +71,14 @@ def test_dry_run_results_are_real_measurements(dry_run):
 
 def test_dry_run_drafters_load_from_the_returned_tar(dry_run, tmp_path):
     _, out, _ = dry_run
-    with tarfile.open(out / "drafter_hsd.tar") as tf:
+    with tarfile.open(out / "drafters.tar") as tf:
         tf.extractall(tmp_path, filter="data")
     card = (tmp_path / "hsd" / "MODEL_CARD.md").read_text()
     assert "Held-out top-1 acceptance" in card and "no evaluation prompts" in card
     meta = json.loads((tmp_path / "hsd" / "drafter.json").read_text())
     assert meta["kind"] == "hsd" and meta["config"]["draft_vocab_size"] == 256
+    assert {json.loads((tmp_path / k / "drafter.json").read_text())["kind"] for k in ("eagle", "eagle3")} == {
+        "eagle", "eagle3"}
 
 
 def test_bad_parts_is_one_clear_error(tmp_path):

@@ -3,15 +3,16 @@
 Parts, most valuable first (each runs alone, in its own process, under its own deadline):
   smoke   the engine on the device with a tiny random target: ar / hsd / eagle compile and agree;
   train   self-distilled data from the target (batched jitted generation on training prompts), then
-          HSD and EAGLE-style drafters trained by `hsd_jax.train.trainer.train` (the `hsd train`
-          code path) at GPU scale; returns the bf16 drafters with held-out diagnostics;
+          HSD, EAGLE-style and EAGLE-3 drafters trained by `hsd_jax.train.trainer.train` (the
+          `hsd train` code path) at GPU scale, equal steps; returns the bf16 drafters with held-out
+          diagnostics;
   bench   `hsd bench` on MT-bench, batch 1 and batch 8, every method side by side against ar;
   tune    the target's verify-cost curve (N = 1..64) and `hsd tune` on a GPU-sized tree grid;
   kernel  the Pallas tree-attention kernel against the jnp reference: errors (f32, bf16) and time
           against plain XLA attention for N = 1..64 new tokens, cache lengths 512..4096.
 
 Everything returned lies directly under --out (at most 8 files): summary.md, results.json,
-log.txt, bench.png, tuned.json, drafter_hsd.tar, drafter_eagle.tar, data.tar (the token shards,
+log.txt, bench.png, tuned.json, drafters.tar (hsd/, eagle/, eagle3/), data.tar (the token shards,
 when they fit in 15 MiB). `--dry-run` runs every part
 on the CPU with tiny sizes (the test suite does, so the pack cannot rot between leases).
 
@@ -59,15 +60,15 @@ class Sizes:
     train_vocab: int = 16384
     train_lr: float = 6e-4
     train_overhead_s: float = 20.0   # per run: feature cache (first run), evaluation, export
-    eagle_step_cost: float = 1.0     # an eagle step's time over an hsd step's (equal on the CPU; the H200's
+    eagle_step_cost: float = 1.0     # an eagle (and eagle3) step's time over an hsd step's (equal on the CPU; the H200's
                                      # first lease measured 3.7x only because the compile was counted)
     feature_batch: int = 64
     bench_prompts: int = 80
     bench_new_tokens: int = 128
     bench_bucket: int = 512          # MT-bench chat prompts reach 402 tokens: one compile per method
     bench_tree: tuple = (24, 6, 4)   # nodes, depth, top-k
-    bench_batch8_methods: str = "ar,eagle,hsd-noreuse,hsd-refresh,hsd-chain"
-    bench_batch1_methods: str = "ar,sd,eagle,hsd-noreuse,hsd-chain,ngram,lookup,hsd+lookup"
+    bench_batch8_methods: str = "ar,eagle,eagle3,hsd-noreuse,hsd-refresh,hsd-chain"
+    bench_batch1_methods: str = "ar,sd,eagle,eagle3,hsd-noreuse,hsd-chain,ngram,lookup,hsd+lookup"
     identity_prompts: int = 16
     identity_always: bool = False    # run the float32 identity check even when bf16 kept identity
     tune_sizes: tuple = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -87,7 +88,7 @@ class Sizes:
 DRY = Sizes(gen_batch=4, gen_new_tokens=8, gen_prompt_tokens=96, gen_bucket=32, gen_share=0.5, min_prompts=8, max_prompts=24,
             train_batch=2, train_window=48, train_unroll=2, train_ce_positions=8, train_steps=3, train_vocab=256,
             feature_batch=2, bench_prompts=2, bench_new_tokens=6, bench_bucket=32, bench_tree=(3, 2, 2),
-            bench_batch8_methods="ar,hsd-refresh", bench_batch1_methods="ar,eagle",
+            bench_batch8_methods="ar,hsd-refresh", bench_batch1_methods="ar,eagle,eagle3",
             identity_prompts=2, identity_always=True, tune_sizes=(1, 2), tune_grid=((2, 2, 1),), tune_prompts=2, tune_finalists=1, tune_new_tokens=4, tune_lookup=(0,), train_overhead_s=2.0,
             kernel_n=(1, 4), kernel_seq=(256,), kernel_repeats=2, kernel_batch=2, max_cache_len=256)
 
@@ -154,7 +155,7 @@ def part_smoke(args, deadline: float) -> dict:
 
 
 def part_train(args, deadline: float) -> dict:
-    """Self-distilled data, then HSD and EAGLE-style drafters by the `hsd train` code path."""
+    """Self-distilled data, then HSD, EAGLE-style and EAGLE-3 drafters by the `hsd train` code path."""
     import numpy as np
 
     from hsd_jax.train.data import generate_data, load_shards
@@ -198,12 +199,14 @@ def part_train(args, deadline: float) -> dict:
         tf.add(data_dir, arcname="data")
     if tar.stat().st_size > 15 * 2**20:
         tar.unlink()
-    # equal budget = equal steps: hsd runs against the clock, eagle then takes the same steps, given
-    # the time they need (s.eagle_step_cost x an hsd step)
+    # equal budget = equal steps: hsd runs against the clock, eagle and eagle3 then take the same
+    # steps, given the time they need (s.eagle_step_cost x an hsd step each)
+    kinds = ("hsd", "eagle", "eagle3")
+    weight = {"hsd": 1.0, "eagle": s.eagle_step_cost, "eagle3": s.eagle_step_cost}
     steps = s.train_steps
-    for kind in ("hsd", "eagle"):
-        left = deadline - time.time() - MARGIN_S - 2 * s.train_overhead_s
-        budget = left / (1 + s.eagle_step_cost) if kind == "hsd" else left + s.train_overhead_s
+    for i, kind in enumerate(kinds):
+        left = deadline - time.time() - MARGIN_S - (len(kinds) - i) * s.train_overhead_s
+        budget = left * weight[kind] / sum(weight[k] for k in kinds[i:]) + s.train_overhead_s
         if budget < 5:
             out["runs"][kind] = {"skipped": f"{left:.0f} s left"}
             continue
@@ -216,14 +219,15 @@ def part_train(args, deadline: float) -> dict:
         t = time.time()
         final = train(cfg, target=target, progress=False, log=log)
         steps = final["step"]
-        drafter_dir = work / f"run_{kind}" / "drafter"
-        _write_card(drafter_dir, kind, cfg, final, data, args)
-        tar = args.out / f"drafter_{kind}.tar"
-        with tarfile.open(tar, "w") as tf:
-            tf.add(drafter_dir, arcname=kind)
-        out["runs"][kind] = dict(final, seconds=round(time.time() - t, 1), config=dataclasses.asdict(cfg),
-                                 tar_bytes=tar.stat().st_size)
+        _write_card(work / f"run_{kind}" / "drafter", kind, cfg, final, data, args)
+        out["runs"][kind] = dict(final, seconds=round(time.time() - t, 1), config=dataclasses.asdict(cfg))
         log(f"train {kind}: {out['runs'][kind]}")
+    tar = args.out / "drafters.tar"   # one file for every drafter: the device returns at most 8
+    with tarfile.open(tar, "w") as tf:
+        for kind in kinds:
+            if (work / f"run_{kind}" / "drafter").is_dir():
+                tf.add(work / f"run_{kind}" / "drafter", arcname=kind)
+    out["drafters_tar_bytes"] = tar.stat().st_size
     return out
 
 
@@ -250,7 +254,7 @@ def _drafters(args, target) -> dict:
     from hsd_jax import load_drafter
 
     out = {}
-    for kind in ("hsd", "eagle", "sd", "ngram"):
+    for kind in ("hsd", "eagle", "eagle3", "sd", "ngram"):
         trained = args.work / f"run_{kind}" / "drafter"
         shipped = ROOT / "hsd_jax" / "drafters" / "smollm2-135m" / kind  # the staged GGUF is the embedded model
         path = str(trained if (trained / "drafter.json").is_file() else shipped)
