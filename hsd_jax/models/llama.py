@@ -182,8 +182,8 @@ def streams_head_rows(cfg: ModelConfig, rows: int) -> bool:
 
 
 def serving_logits(params: dict, cfg: ModelConfig, features: jax.Array) -> jax.Array:
-    """`logits_from_features` in the form fastest for decoding and verification (not meant for
-    training: gradients through the streamed form are not what it is for)."""
+    """`logits_from_features` in the form fastest for decoding and verification. Training keeps
+    `logits_from_features`: backpropagating through the streamed form is neither measured nor tested."""
     lead = features.shape[:-1]
     if not streams_head_rows(cfg, math.prod(lead)):
         return logits_from_features(params, cfg, features)
