@@ -50,9 +50,7 @@ def main() -> None:
         return llama.serving_logits(params, cfg, out.features)
 
     def verify_dot_head(params, toks, pos, cache, parents):
-        out = llama.forward(params, cfg, toks, pos, cache, parents)
-        h = llama.final_norm(params, cfg, out.features)
-        return jnp.einsum("...d,dv->...v", h, llama.lm_head_weight(params, cfg))
+        return llama.logits_from_features(params, cfg, llama.forward(params, cfg, toks, pos, cache, parents).features)
 
     programs = {"forward": jax.jit(forward), "verify": jax.jit(verify), "verify_dot_head": jax.jit(verify_dot_head)}
     inputs = {}

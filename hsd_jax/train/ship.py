@@ -46,18 +46,14 @@ def ship(run_dir: str, model: str, kind: str, *, config_path: str, command: str,
         "",
         "## Held-out metrics (top-1 chain along the target's greedy path)",
     ]
-    rows = hist + [final]
-    if any("bypass_accept_by_depth" in h for h in rows):
+    columns = [("acceptance by depth", "accept_by_depth"), ("chain tau estimate", "chain_tau_estimate")]
+    if any("bypass_accept_by_depth" in h for h in hist + [final]):   # hsd and eagle: a chain to bypass
         lines += ["Per depth: acceptance; acceptance with the chain bypassed (the read-out on the last true",
                   "feature: a working chain loses many points); the chain state's distance to the true next",
-                  "feature over the copy baseline's (below 1: the chain beats copying the last feature).", "",
-                  "| step | acceptance by depth | bypassed | feature error vs copy | chain tau estimate |",
-                  "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {h['step']} | {h['accept_by_depth']} | {h.get('bypass_accept_by_depth', '-')} | "
-                  f"{h.get('feature_error_vs_copy', '-')} | {h['chain_tau_estimate']} |" for h in rows]
-    else:       # eagle3 and sd have no token-free chain to bypass
-        lines += ["", "| step | acceptance by depth | chain tau estimate |", "| --- | --- | --- |"]
-        lines += [f"| {h['step']} | {h['accept_by_depth']} | {h['chain_tau_estimate']} |" for h in rows]
+                  "feature over the copy baseline's (below 1: the chain beats copying the last feature)."]
+        columns[1:1] = [("bypassed", "bypass_accept_by_depth"), ("feature error vs copy", "feature_error_vs_copy")]
+    lines += ["", "| step | " + " | ".join(c for c, _ in columns) + " |", "|" + " --- |" * (len(columns) + 1)]
+    lines += [f"| {h['step']} | " + " | ".join(str(h.get(k, "-")) for _, k in columns) + " |" for h in hist + [final]]
     lines += ["", f"Checkpoint size: {_size_mb(dst):.1f} MB (bf16 params).", ""]
     if notes:
         lines += ["## Notes", notes, ""]
