@@ -1,7 +1,8 @@
 """Acceptance (tau) of the shipped drafters with the engine on a real suite, batched for speed.
 
 tau does not depend on batching, so all prompts run as one batch per method; wall time is not
-the point here (use `hsd bench` for speed). Every method's output is checked against ar's.
+the point here (use `hsd bench` for speed). At T=0 every method's output is checked against ar's;
+at T>0 outputs are samples (lossless, not identical), so only tau is reported.
 
     python benchmarks/acceptance.py --suite mt_bench --num-prompts 80 --max-new-tokens 128
 """
@@ -23,6 +24,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=None, help="default: SpecConfig's (3)")
     ap.add_argument("--drafter", action="append", default=[], metavar="KIND=DIR",
                     help="use this drafter directory for a kind (e.g. hsd=runs/smollm2_hsd_v2/drafter); default: shipped")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -35,23 +38,27 @@ def main() -> None:
     target = load_target()
     ids = [target.encode(p, chat=True) for p in load_suite(args.suite, args.num_prompts)]
     batches = [ids[i: i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
-    ar = [r.token_ids for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens)]
+    sampling = dict(temperature=args.temperature, seed=args.seed)
+    ar = None
+    if args.temperature == 0:
+        ar = [r.token_ids for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens)]
     spec = SpecConfig(tree_nodes=args.tree_nodes or SpecConfig.tree_nodes, tree_depth=args.tree_depth or SpecConfig.tree_depth,
                       tree_top_k=args.top_k or SpecConfig.tree_top_k)
     tree = dict(tree_nodes=spec.tree_nodes, tree_depth=spec.tree_depth, tree_top_k=spec.tree_top_k)
-    out = {"suite": args.suite, "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "tree": tree,
+    out = {"suite": args.suite, "prompts": len(ids), "max_new_tokens": args.max_new_tokens, **sampling, "tree": tree,
            "drafters": paths, "methods": {}}
     for name in args.methods.split(","):
         kind, opts = method_spec(name)
         drafter = load_drafter(kind, paths.get(kind), target=target)
         res = [r for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens, method=kind,
-                                                    drafter=drafter, **opts, **({} if kind == "sd" else tree))]
+                                                    drafter=drafter, **sampling, **opts,
+                                                    **({} if kind == "sd" else tree))]
         rounds = sum(r.stats["rounds"] for r in res)
         new = sum(r.stats["new_tokens"] for r in res)
         hist = [sum(r.stats["accepted_hist"][i] for r in res) for i in range(len(res[0].stats["accepted_hist"]))]
         out["methods"][name] = {"tau": round((new - len(res)) / rounds, 3), "rounds": rounds, "new_tokens": new,
                                 "drafter_forwards_per_token": round(sum(r.stats["drafter_forwards"] for r in res) / new, 3),
-                                "accepted_hist": hist, "identical_to_ar": [r.token_ids for r in res] == ar}
+                                "accepted_hist": hist, "identical_to_ar": None if ar is None else [r.token_ids for r in res] == ar}
         print(name, out["methods"][name], flush=True)
     if args.json:
         with open(args.json, "w") as f:

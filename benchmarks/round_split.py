@@ -80,9 +80,15 @@ def main() -> None:
             eagle_m.ops(dp, dcfg, view), cache, root_g, root, spec, view.d2t))
         draft_ms = _time(lambda: draft(drafter.params, view, dcache, chain[:, 0], root))
         tree, _ = draft(drafter.params, view, dcache, chain[:, 0], root)
-    verify = jax.jit(engine.verify_tree, static_argnums=1)
-    verify_ms = _time(lambda: verify(target.params, tcfg, tcache, tree))
-    logits, vout = verify(target.params, tcfg, tcache, tree)
+    from hsd_jax.models import llama
+
+    @jax.jit
+    def verify(params, cache, tree):
+        vout = engine.verify_tree(params, tcfg, cache, tree)
+        return llama.serving_logits(params, tcfg, vout.features), vout
+
+    verify_ms = _time(lambda: verify(target.params, tcache, tree))
+    logits, vout = verify(target.params, tcache, tree)
 
     @jax.jit
     def accept_commit(tree, logits, cache):

@@ -29,14 +29,11 @@ def main() -> None:
     args = ap.parse_args()
 
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     from hsd_jax import load_target
     from hsd_jax.bench import machine_info
-    from hsd_jax.cache import init_cache
     from hsd_jax.models import llama
-    from hsd_jax.models.layers import jnp_dtype
+    from hsd_jax.tune import verify_inputs, verify_program
 
     sizes = [int(s) for s in args.sizes.split(",")]
     target = load_target(args.model, tokenizer=False)
@@ -45,20 +42,13 @@ def main() -> None:
     def forward(params, toks, pos, cache, parents):
         return llama.forward(params, cfg, toks, pos, cache, parents).features
 
-    def verify(params, toks, pos, cache, parents):
-        out = llama.forward(params, cfg, toks, pos, cache, parents)
-        return llama.serving_logits(params, cfg, out.features)
-
     def verify_dot_head(params, toks, pos, cache, parents):
         return llama.logits_from_features(params, cfg, llama.forward(params, cfg, toks, pos, cache, parents).features)
 
-    programs = {"forward": jax.jit(forward), "verify": jax.jit(verify), "verify_dot_head": jax.jit(verify_dot_head)}
-    inputs = {}
+    programs = {"forward": jax.jit(forward), "verify": verify_program(cfg),
+                "verify_dot_head": jax.jit(verify_dot_head)}
+    inputs = {n: verify_inputs(cfg, n, args.context) for n in sizes}
     for n in sizes:
-        cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, args.context + n + 64, cfg.head_dim, jnp_dtype(cfg))
-        cache = cache.replace(lengths=jnp.array([args.context], jnp.int32))
-        inputs[n] = (jnp.ones((1, n), jnp.int32), args.context + jnp.arange(n, dtype=jnp.int32)[None], cache,
-                     jnp.asarray(np.arange(n)[None] - 1, jnp.int32))
         for fn in programs.values():
             jax.block_until_ready(fn(target.params, *inputs[n]))     # compile and warm up
     times = {name: {n: [] for n in sizes} for name in programs}

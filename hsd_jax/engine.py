@@ -20,7 +20,7 @@ from hsd_jax.models import drafter, llama
 from hsd_jax.models.layers import jnp_dtype
 from hsd_jax.sampling import sample
 from hsd_jax.tree import Tree
-from hsd_jax.verify import Accepted, accept, emitted_tokens
+from hsd_jax.verify import Accepted, accept, accept_greedy, emitted_tokens
 
 
 class DecodeOutput(NamedTuple):
@@ -38,12 +38,20 @@ prefill = llama.prefill
 
 
 def decode_step(params, cfg: ModelConfig, tokens, cache: KVCache):
-    """Feed one token per sequence [B] at position lengths[b]; returns (logits [B, V], features, cache)."""
+    """Feed one token per sequence [B] at position lengths[b]; returns (features [B, d], cache)."""
     b = tokens.shape[0]
     parents = jnp.full((b, 1), -1, jnp.int32)
     out = llama.forward(params, cfg, tokens[:, None], cache.lengths[:, None], cache, parents)
-    logits = llama.serving_logits(params, cfg, out.features[:, 0])
-    return logits, out.features[:, 0], advance(out.cache, jnp.ones((b,), jnp.int32))
+    return out.features[:, 0], advance(out.cache, jnp.ones((b,), jnp.int32))
+
+
+def next_token(params, cfg: ModelConfig, features, key, sampling: SamplingConfig,
+               screen: llama.HeadScreen | None = None):
+    """The target's next token after features [B, d]: its argmax at T = 0 (certified from the
+    bf16 `screen` where given), else a sample from its f32 logits."""
+    if sampling.greedy:
+        return llama.serving_argmax(params, cfg, features, screen)
+    return sample(llama.serving_logits(params, cfg, features), key, sampling)
 
 
 class ArLoop(NamedTuple):
@@ -67,11 +75,12 @@ def ar_generate(params, prompt_tokens, prompt_lens, key, *, cfg: ModelConfig, sa
     tokens = jnp.full((b, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
     count = jnp.ones((b,), jnp.int32)
     done = is_eos(first, cfg.eos_token_ids) | (max_new_tokens <= 1)
+    screen = llama.head_screen(params, cfg, b) if sampling.greedy else None
 
     def body(s: ArLoop) -> ArLoop:
-        logits, _, cache = decode_step(params, cfg, s.last, s.cache)
+        features, cache = decode_step(params, cfg, s.last, s.cache)
         key, sub = jax.random.split(s.key)
-        new = sample(logits, sub, sampling)
+        new = next_token(params, cfg, features, sub, sampling, screen)
         live = ~s.done
         tokens = s.tokens.at[jnp.arange(b), jnp.where(live, s.count, max_new_tokens)].set(new, mode="drop")
         count = s.count + live.astype(jnp.int32)
@@ -104,6 +113,7 @@ class SpecConfig:
     tree_top_k: int = 3
     gamma: int = 4
     lookup_slots: int = 0
+    head_screen: bool = True   # T = 0 on the CPU: certified bf16 screen for the verify argmax (llama.serving_argmax)
 
     def __post_init__(self):
         if self.method not in methods.REGISTRY:
@@ -180,11 +190,20 @@ class SpecLoop(NamedTuple):
     stats: SpecStats
 
 
-def verify_tree(tparams, tcfg: ModelConfig, cache: KVCache, tree: Tree):
-    """One target forward over all tree slots with tree attention. Returns (logits [B,T,V], ForwardOutput)."""
+def verify_tree(tparams, tcfg: ModelConfig, cache: KVCache, tree: Tree) -> llama.ForwardOutput:
+    """One target forward over all tree slots with tree attention (features [B, T, d], cache)."""
     pos = tree_lib.positions(tree, cache.lengths)
-    out = llama.forward(tparams, tcfg, tree.tokens, pos, cache, tree.parents)
-    return llama.serving_logits(tparams, tcfg, out.features), out
+    return llama.forward(tparams, tcfg, tree.tokens, pos, cache, tree.parents)
+
+
+def target_verdict(tparams, tcfg: ModelConfig, tree: Tree, features, key, sampling: SamplingConfig,
+                   chain=None, screen: llama.HeadScreen | None = None) -> Accepted:
+    """The target's head on every verified slot decides: at T = 0 through its argmax (certified
+    from the bf16 `screen` where given, `llama.serving_argmax`), else the lossless rules on its f32
+    logits."""
+    if sampling.greedy:
+        return accept_greedy(tree, llama.serving_argmax(tparams, tcfg, features, screen))
+    return accept(tree, llama.serving_logits(tparams, tcfg, features), key, sampling, chain)
 
 
 def commit(cache: KVCache, acc: Accepted, live) -> KVCache:
@@ -208,6 +227,7 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
     view = drafter.target_view(tparams, tcfg, d2t) if method.drafter.has_draft_vocab else None
     rnd = methods.Round(tparams, tcfg, dparams, dcfg, d2t, spec, sampling, prompt_tokens, prompt_lens, capacity, view)
     dstate = method.init(rnd, out, root)
+    screen = llama.head_screen(tparams, tcfg, b * spec.verify_slots) if spec.head_screen and sampling.greedy else None
 
     tokens = jnp.full((b, max_new_tokens + depth + 1), -1, jnp.int32).at[:, 0].set(root)
     count = jnp.ones((b,), jnp.int32)
@@ -222,8 +242,8 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
         draft = method.draft(rnd, s.dstate, s.root, history, k_draft)
         if spec.lookup_slots:
             draft = draft._replace(tree=methods.lookup.attach(rnd, draft.tree, history, spec.lookup_slots))
-        logits, vout = verify_tree(tparams, tcfg, s.tcache, draft.tree)
-        acc = accept(draft.tree, logits, k_acc, sampling, draft.chain)
+        vout = verify_tree(tparams, tcfg, s.tcache, draft.tree)
+        acc = target_verdict(tparams, tcfg, draft.tree, vout.features, k_acc, sampling, draft.chain, screen)
         tcache = commit(vout.cache, acc, live)
         dstate, more = method.update(rnd, draft.state, draft, acc, vout, live)
         new = emitted_tokens(draft.tree, acc)

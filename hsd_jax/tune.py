@@ -16,40 +16,53 @@ from hsd_jax.engine import REUSE_POLICIES
 from hsd_jax.tuning import hardware_key, save_tuned
 
 
-def verify_cost_curve(target, sizes=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64), context: int = 256,
-                      repeats: int = 5) -> dict[int, float]:
-    """Milliseconds of one verify (target forward and LM head over N new tree tokens, as
-    `engine.verify_tree` runs it) after `context` cached tokens."""
-    import jax
+def verify_inputs(cfg, n: int, context: int):
+    """(tokens, positions, cache, parents) of a verify of an n-token chain after `context` cached
+    tokens, batch 1: what `verify_cost_curve` and benchmarks/verify_cost.py time."""
     import jax.numpy as jnp
     import numpy as np
 
     from hsd_jax.cache import init_cache
-    from hsd_jax.models import llama
     from hsd_jax.models.layers import jnp_dtype
 
-    cfg = target.config
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + n + 64, cfg.head_dim, jnp_dtype(cfg))
+    cache = cache.replace(lengths=jnp.array([context], jnp.int32))
+    return (jnp.ones((1, n), jnp.int32), context + jnp.arange(n, dtype=jnp.int32)[None], cache,
+            jnp.asarray(np.arange(n)[None] - 1, jnp.int32))
+
+
+def verify_program(cfg):
+    """The target's part of a verify as `engine.verify_tree` runs it, jitted: forward over the
+    new tokens, then the serving head on every one."""
+    import jax
+
+    from hsd_jax.models import llama
 
     @jax.jit
-    def verify(params, toks, pos, cache, parents):
-        return llama.serving_logits(params, cfg, llama.forward(params, cfg, toks, pos, cache, parents).features)
+    def verify(params, tokens, positions, cache, parents):
+        return llama.serving_logits(params, cfg, llama.forward(params, cfg, tokens, positions, cache, parents).features)
 
-    out = {}
+    return verify
+
+
+def verify_cost_curve(target, sizes=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64), context: int = 256,
+                      repeats: int = 5) -> dict[int, float]:
+    """Milliseconds of one verify (`verify_program` over N new tree tokens) after `context` cached
+    tokens; medians of rounds that interleave every N, so a passing slowdown hits all N alike."""
+    import jax
+
+    cfg = target.config
+    verify = verify_program(cfg)
+    inputs = {n: verify_inputs(cfg, n, context) for n in sizes}
     for n in sizes:
-        cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + n + 64, cfg.head_dim,
-                           jnp_dtype(cfg))
-        cache = cache.replace(lengths=jnp.array([context], jnp.int32))
-        toks = jnp.ones((1, n), jnp.int32)
-        parents = jnp.asarray(np.arange(n)[None] - 1, jnp.int32)
-        pos = context + jnp.arange(n, dtype=jnp.int32)[None]
-        jax.block_until_ready(verify(target.params, toks, pos, cache, parents))
-        ts = []
-        for _ in range(repeats):
+        jax.block_until_ready(verify(target.params, *inputs[n]))
+    times = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
             t0 = time.perf_counter()
-            jax.block_until_ready(verify(target.params, toks, pos, cache, parents))
-            ts.append(time.perf_counter() - t0)
-        out[n] = round(statistics.median(ts) * 1e3, 3)
-    return out
+            jax.block_until_ready(verify(target.params, *inputs[n]))
+            times[n].append(time.perf_counter() - t0)
+    return {n: round(statistics.median(ts) * 1e3, 3) for n, ts in times.items()}
 
 
 def candidate_trees(max_nodes: int = 64) -> list[dict]:

@@ -29,9 +29,8 @@ class Accepted(NamedTuple):
     token: jax.Array
 
 
-def accept_greedy(tree: Tree, target_logits: jax.Array) -> Accepted:
-    """target_logits [B, T, V]: the target's logits after every tree slot."""
-    target_tokens = jnp.argmax(target_logits, -1).astype(jnp.int32)
+def accept_greedy(tree: Tree, target_tokens: jax.Array) -> Accepted:
+    """target_tokens [B, T]: the target's argmax after every tree slot."""
     m, path, last = greedy_walk(tree, target_tokens)
     return Accepted(m, path, jnp.take_along_axis(target_tokens, last[:, None], -1)[:, 0])
 
@@ -96,7 +95,7 @@ def accept(tree: Tree, logits: jax.Array, key: jax.Array, sampling, chain=None) 
     """Greedy (T = 0) or lossless stochastic acceptance of a verified tree; `chain` =
     (tokens [B, G], q [B, G, V]) for a chain sampled from a draft distribution (SD)."""
     if sampling.greedy:
-        return accept_greedy(tree, logits)
+        return accept_greedy(tree, jnp.argmax(logits, -1).astype(jnp.int32))
     p = target_probs(logits, sampling)
     if chain is not None:
         return accept_chain_stochastic(chain[0], chain[1], p, key)

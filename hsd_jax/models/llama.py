@@ -192,6 +192,71 @@ def serving_logits(params: dict, cfg: ModelConfig, features: jax.Array) -> jax.A
     return jnp.sum(e[:, None, :] * rows[None], -1).T.reshape(*lead, e.shape[0])
 
 
+class HeadScreen(NamedTuple):
+    """A bf16 copy of a tied f32 LM head and the norms that bound its error, built once per
+    `generate` call (one pass over the embedding) for `serving_argmax`."""
+    weight: jax.Array       # [V, d] bf16(E)
+    norm: jax.Array         # [V] ||bf16(E_v)||
+    err_norm: jax.Array     # [V] ||E_v - bf16(E_v)||
+
+
+SCREEN_CANDIDATES = 16
+# A bf16 x bf16 product is exact in f32, so the screen's error is the two roundings (bounded by the
+# norms above, Cauchy-Schwarz) plus f32 accumulation over d terms; the certificate doubles that bound
+# and adds 1e-3 so that a backend's blocked or fused accumulation stays inside it.
+SCREEN_SAFETY, SCREEN_SLACK = 2.0, 1e-3
+
+
+def head_screen(params: dict, cfg: ModelConfig, rows: int) -> HeadScreen | None:
+    """The screen for a greedy verify over `rows` rows, or None where the f32 head is already the
+    fastest form (see `streams_head_rows`: the same condition)."""
+    if not streams_head_rows(cfg, rows):
+        return None
+    e = params["embed_tokens"]["embedding"].astype(jnp.float32)
+    eb = e.astype(jnp.bfloat16)
+    ebf = eb.astype(jnp.float32)
+    return HeadScreen(eb, jnp.sqrt(jnp.sum(ebf * ebf, -1)), jnp.sqrt(jnp.sum(jnp.square(e - ebf), -1)))
+
+
+def screened_argmax(params: dict, cfg: ModelConfig, features: jax.Array, screen: HeadScreen,
+                    candidates: int = SCREEN_CANDIDATES) -> tuple[jax.Array, jax.Array]:
+    """(token int32 [n], certified bool [n]) over features [n, d] from the bf16 screen.
+
+    bf16 scores s over the whole vocabulary (half the bytes of the f32 head, and XLA:CPU's bf16
+    GEMM does not repack), exact f32 logits for the top `candidates` of s, and a bound
+    b_v >= |s_v - logit_v| from the stored norms. A row is certified when its best exact
+    candidate beats s_v + b_v for every other token v: then it is the f32 argmax (ties among the
+    candidates: lowest id, as `jnp.argmax`)."""
+    d = features.shape[-1]
+    h = final_norm(params, cfg, features).astype(jnp.float32)
+    hb = h.astype(jnp.bfloat16)
+    hbf = hb.astype(jnp.float32)
+    s = jnp.einsum("nd,vd->nv", hb, screen.weight, preferred_element_type=jnp.float32)
+    # The barrier keeps XLA:CPU's top-k kernel: sliced further, it becomes a full sort (15x slower).
+    _, cand = jax.lax.optimization_barrier(jax.lax.top_k(s, candidates))
+    gamma = d * 2.0 ** -24 / (1 - d * 2.0 ** -24)
+    h_norm, hb_norm, h_err = (jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (h, hbf, h - hbf))
+    bound = SCREEN_SAFETY * (screen.err_norm * h_norm + screen.norm * (h_err + gamma * hb_norm)) + SCREEN_SLACK
+    exact = jnp.einsum("nd,nkd->nk", h, params["embed_tokens"]["embedding"][cand].astype(jnp.float32))
+    best = jnp.max(exact, -1)
+    token = jnp.min(jnp.where(exact == best[:, None], cand, s.shape[-1]), -1).astype(jnp.int32)
+    others = (s + bound).at[jnp.arange(h.shape[0])[:, None], cand].set(-jnp.inf).max(-1)
+    return token, best > others
+
+
+def serving_argmax(params: dict, cfg: ModelConfig, features: jax.Array, screen: HeadScreen | None) -> jax.Array:
+    """argmax of `serving_logits` over features [..., d] (int32 [...]) for greedy verification.
+    With a screen, `screened_argmax`; if any row is not certified the whole batch takes the f32
+    head (`lax.cond`), so the result is the f32 argmax either way."""
+    if screen is None:
+        return jnp.argmax(serving_logits(params, cfg, features), -1).astype(jnp.int32)
+    token, certified = screened_argmax(params, cfg, features.reshape(-1, features.shape[-1]), screen)
+    return jax.lax.cond(
+        jnp.all(certified),
+        lambda: token.reshape(features.shape[:-1]),
+        lambda: jnp.argmax(serving_logits(params, cfg, features), -1).astype(jnp.int32))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward_logits(params, cfg, tokens, positions, cache, parents=None):
     """Jitted forward returning (logits [B, T, V], ForwardOutput); for tests and tools."""
