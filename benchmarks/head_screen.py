@@ -5,7 +5,8 @@
    consecutive positions that need no f32 fallback.
 2. Head alone, N rows interleaved, medians, cycling through blocks of those features (so the
    fallbacks count as often as they occur): the f32 streamed head + argmax (`serving_argmax`
-   without a screen) against the screened one.
+   without a screen) against the screened one; and the whole verify (forward + head) over a
+   chain of N real answer tokens after a real context, as the engine runs it.
 3. End to end: `generate` with `head_screen` on and off, interleaved per prompt, T = 0, batch 1:
    tokens/s and identical outputs.
 
@@ -26,7 +27,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="3,5,9,13")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--method", default="hsd")
-    ap.add_argument("--tree", default="8,4,3", help="nodes,depth,top-k of the end-to-end run")
+    ap.add_argument("--trees", default="8,4,3;2,2,1", help="nodes,depth,top-k of the end-to-end runs, ';'-separated")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -71,47 +72,71 @@ def main() -> None:
               "batches_without_fallback": {n: round(v, 4) for n, v in batches.items()}}
     print(json.dumps(report, indent=1), flush=True)
 
-    programs = {"f32 head": f32_argmax,
-                "screened head": jax.jit(lambda p, f, s: llama.serving_argmax(p, cfg, f, s))}
+    # 2. The head alone, and verify (forward + head) on a real context with real next tokens.
     starts = np.linspace(0, len(feats) - max(sizes), args.rounds).astype(int)
-    blocks = {n: [jnp.asarray(feats[i:i + n]) for i in starts] for n in sizes}
-    times = {name: {n: [] for n in sizes} for name in programs}
-    run = {"f32 head": lambda f: f32_argmax(params, f),
-           "screened head": lambda f: programs["screened head"](params, f, screen)}
-    for n in sizes:
-        for name in programs:
-            jax.block_until_ready(run[name](blocks[n][0]))
-    for r in range(args.rounds):
-        for n in sizes:
-            for name in programs:
-                t0 = time.perf_counter()
-                jax.block_until_ready(run[name](blocks[n][r]))
-                times[name][n].append(time.perf_counter() - t0)
-    report["head_ms"] = {name: {n: round(statistics.median(t) * 1e3, 3) for n, t in by_n.items()}
-                         for name, by_n in times.items()}
-    print(json.dumps(report["head_ms"], indent=1), flush=True)
+    blocks = {n: [(jnp.asarray(feats[i:i + n]),) for i in starts] for n in sizes}
+    screened_head = jax.jit(lambda p, f, s: llama.serving_argmax(p, cfg, f, s))
+    heads = {"f32": lambda f: f32_argmax(params, f), "screen": lambda f: screened_head(params, f, screen)}
+    report["head_ms"] = interleaved(heads, blocks, args.rounds)
+    print("head ms", report["head_ms"], flush=True)
 
-    nodes, depth, top_k = (int(x) for x in args.tree.split(","))
+    seq = ids[0] + answers[0].token_ids
+    ctx = len(ids[0]) + 16
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, ctx + max(sizes) + 64, cfg.head_dim)
+    cache = llama.prefill(params, cfg, jnp.asarray([seq[:ctx]]), jnp.asarray([ctx]), cache)[1].cache
+    chains = {n: [(jnp.asarray([seq[ctx:ctx + n]]), ctx + jnp.arange(n)[None], jnp.arange(n)[None] - 1)]
+              for n in sizes}
+
+    def verify(use_screen):
+        @jax.jit
+        def run(p, toks, pos, parents, kv, s):
+            out = llama.forward(p, cfg, toks, pos, kv, parents)
+            return llama.serving_argmax(p, cfg, out.features, s if use_screen else None)
+        return lambda *a: run(params, *a, cache, screen)
+
+    report["verify_ms"] = interleaved({"f32": verify(False), "screen": verify(True)}, chains, args.rounds)
+    print("verify ms", report["verify_ms"], flush=True)
+
+    # 3. End to end, per tree.
     drafter = load_drafter(args.method, target=target)
-    opts = dict(method=args.method, drafter=drafter, tree_nodes=nodes, tree_depth=depth, tree_top_k=top_k)
-    e2e = {True: [], False: []}
-    for on in (True, False):                         # compile both
-        generate(target, ids[:1], max_new_tokens=args.max_new_tokens, head_screen=on, **opts)
-    identical = True
-    for p, ref in zip(ids, answers):
-        for on in (True, False):
-            r = generate(target, [p], max_new_tokens=args.max_new_tokens, head_screen=on, **opts)[0]
-            e2e[on].append(r.stats["tokens_per_s"])
-            identical &= r.token_ids == ref.token_ids
-    report["end_to_end"] = {"method": args.method, "tree": args.tree, "prompts": len(ids),
-                            "tok_s_screen": round(statistics.mean(e2e[True]), 2),
-                            "tok_s_f32": round(statistics.mean(e2e[False]), 2),
-                            "ratio": round(statistics.mean(e2e[True]) / statistics.mean(e2e[False]), 3),
-                            "identical_to_ar": identical}
-    print(json.dumps(report["end_to_end"], indent=1), flush=True)
+    report["end_to_end"] = []
+    for tree in args.trees.split(";"):
+        nodes, depth, top_k = (int(x) for x in tree.split(","))
+        opts = dict(method=args.method, drafter=drafter, tree_nodes=nodes, tree_depth=depth, tree_top_k=top_k,
+                    max_new_tokens=args.max_new_tokens)
+        for on in (True, False):                         # compile both
+            generate(target, ids[:1], head_screen=on, **opts)
+        tok_s, identical = {True: [], False: []}, True
+        for p, ref in zip(ids, answers):
+            for on in (True, False):
+                r = generate(target, [p], head_screen=on, **opts)[0]
+                tok_s[on].append(r.stats["tokens_per_s"])
+                identical &= r.token_ids == ref.token_ids
+        row = {"method": args.method, "tree": tree, "prompts": len(ids),
+               "tok_s_screen": round(statistics.mean(tok_s[True]), 2), "tok_s_f32": round(statistics.mean(tok_s[False]), 2),
+               "ratio": round(statistics.mean(tok_s[True]) / statistics.mean(tok_s[False]), 3), "identical_to_ar": identical}
+        report["end_to_end"].append(row)
+        print(row, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def interleaved(programs: dict, inputs: dict, rounds: int) -> dict:
+    """Median ms of each program on inputs[n][round % len], every (n, program) interleaved per round."""
+    import jax
+
+    for n, args in inputs.items():
+        for fn in programs.values():
+            jax.block_until_ready(fn(*args[0]))
+    times = {name: {n: [] for n in inputs} for name in programs}
+    for r in range(rounds):
+        for n, args in inputs.items():
+            for name, fn in programs.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args[r % len(args)]))
+                times[name][n].append(time.perf_counter() - t0)
+    return {name: {n: round(statistics.median(t) * 1e3, 3) for n, t in by_n.items()} for name, by_n in times.items()}
 
 
 if __name__ == "__main__":
