@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="3,5,9,13")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--method", default="hsd")
-    ap.add_argument("--trees", default="8,4,3;2,2,1", help="nodes,depth,top-k of the end-to-end runs, ';'-separated")
+    ap.add_argument("--trees", default="8,4,3;2,2,1", help="nodes,depth,top-k of the end-to-end runs, ';'-separated ('' skips them)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -91,11 +91,16 @@ def main() -> None:
         @jax.jit
         def run(p, toks, pos, parents, kv, s):
             out = llama.forward(p, cfg, toks, pos, kv, parents)
-            return llama.serving_argmax(p, cfg, out.features, s if use_screen else None)
+            one_row = toks.shape[1] == 1       # a decode step: the engine never screens one row
+            return llama.serving_argmax(p, cfg, out.features, None if one_row or not use_screen else s)
         return lambda *a: run(params, *a, cache, screen)
 
+    chains[1] = [(jnp.asarray([seq[ctx:ctx + 1]]), jnp.asarray([[ctx]]), jnp.asarray([[-1]]))]
     report["verify_ms"] = interleaved({"f32": verify(False), "screen": verify(True)}, chains, args.rounds)
-    print("verify ms", report["verify_ms"], flush=True)
+    report["verify_ratio_to_n1"] = {k: {n: round(ms / v[1], 3) for n, ms in v.items()} for k, v in report["verify_ms"].items()}
+    print("verify ms", report["verify_ms"], report["verify_ratio_to_n1"], flush=True)
+    if not args.trees:
+        return finish(report, args.json)
 
     # 3. End to end, per tree.
     drafter = load_drafter(args.method, target=target)
@@ -117,8 +122,12 @@ def main() -> None:
                "ratio": round(statistics.mean(tok_s[True]) / statistics.mean(tok_s[False]), 3), "identical_to_ar": identical}
         report["end_to_end"].append(row)
         print(row, flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
+    finish(report, args.json)
+
+
+def finish(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(report, f, indent=1)
 
 
