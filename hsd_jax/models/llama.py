@@ -232,8 +232,9 @@ def screened_argmax(params: dict, cfg: ModelConfig, features: jax.Array, screen:
     hb = h.astype(jnp.bfloat16)
     hbf = hb.astype(jnp.float32)
     s = jnp.einsum("nd,vd->nv", hb, screen.weight, preferred_element_type=jnp.float32)
-    # The barrier keeps XLA:CPU's top-k kernel: sliced further, it becomes a full sort (15x slower).
-    _, cand = jax.lax.optimization_barrier(jax.lax.top_k(s, candidates))
+    # The barrier keeps XLA:CPU's top-k kernel: with its outputs sliced further it becomes a full
+    # sort (15x slower). Only on the indices: a barrier on top-k's tuple crashes the SPMD partitioner.
+    cand = jax.lax.optimization_barrier(jax.lax.top_k(s, candidates)[1])
     gamma = d * 2.0 ** -24 / (1 - d * 2.0 ** -24)
     h_norm, hb_norm, h_err = (jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (h, hbf, h - hbf))
     bound = SCREEN_SAFETY * (screen.err_norm * h_norm + screen.norm * (h_err + gamma * hb_norm)) + SCREEN_SLACK
