@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 
 def main() -> None:
@@ -36,7 +35,7 @@ def main() -> None:
     import numpy as np
 
     from hsd_jax import generate, load_drafter, load_target
-    from hsd_jax.bench import machine_info
+    from hsd_jax.bench import interleaved_ms, machine_info
     from hsd_jax.cache import init_cache
     from hsd_jax.models import llama
     from hsd_jax.prompts import load_suite
@@ -77,7 +76,7 @@ def main() -> None:
     blocks = {n: [(jnp.asarray(feats[i:i + n]),) for i in starts] for n in sizes}
     screened_head = jax.jit(lambda p, f, s: llama.serving_argmax(p, cfg, f, s))
     heads = {"f32": lambda f: f32_argmax(params, f), "screen": lambda f: screened_head(params, f, screen)}
-    report["head_ms"] = interleaved(heads, blocks, args.rounds)
+    report["head_ms"] = interleaved_ms(heads, blocks, args.rounds)
     print("head ms", report["head_ms"], flush=True)
 
     seq = ids[0] + answers[0].token_ids
@@ -96,7 +95,7 @@ def main() -> None:
         return lambda *a: run(params, *a, cache, screen)
 
     chains[1] = [(jnp.asarray([seq[ctx:ctx + 1]]), jnp.asarray([[ctx]]), jnp.asarray([[-1]]))]
-    report["verify_ms"] = interleaved({"f32": verify(False), "screen": verify(True)}, chains, args.rounds)
+    report["verify_ms"] = interleaved_ms({"f32": verify(False), "screen": verify(True)}, chains, args.rounds)
     report["verify_ratio_to_n1"] = {k: {n: round(ms / v[1], 3) for n, ms in v.items()} for k, v in report["verify_ms"].items()}
     print("verify ms", report["verify_ms"], report["verify_ratio_to_n1"], flush=True)
     if not args.trees:
@@ -129,23 +128,6 @@ def finish(report: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
-
-
-def interleaved(programs: dict, inputs: dict, rounds: int) -> dict:
-    """Median ms of each program on inputs[n][round % len], every (n, program) interleaved per round."""
-    import jax
-
-    for n, args in inputs.items():
-        for fn in programs.values():
-            jax.block_until_ready(fn(*args[0]))
-    times = {name: {n: [] for n in inputs} for name in programs}
-    for r in range(rounds):
-        for n, args in inputs.items():
-            for name, fn in programs.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*args[r % len(args)]))
-                times[name][n].append(time.perf_counter() - t0)
-    return {name: {n: round(statistics.median(t) * 1e3, 3) for n, t in by_n.items()} for name, by_n in times.items()}
 
 
 if __name__ == "__main__":

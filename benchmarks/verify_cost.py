@@ -2,9 +2,11 @@
 against one decode step (batch 1, a filled KV cache), all N interleaved round by round so a
 machine's drift hits every N alike; medians.
 
-Three programs per N, jitted as the engine runs them: `forward` (the layers, tree attention,
-the cache write), `verify` (forward plus the LM head on every slot, as `engine.verify_tree`) and
-`verify_dot_head` (the same with the head as one dot, the form before `llama.streams_head_rows`).
+Four programs per N, jitted as the engine runs them: `forward` (the layers, tree attention,
+the cache write), `verify` (forward plus the greedy head, as `engine.target_verdict` at T = 0:
+the certified bf16 screen where the engine builds one), `verify_f32_head` (forward plus the f32
+logits sampling reads) and `verify_dot_head` (the f32 head as one dot, the form before
+`llama.streams_head_rows`).
 
     python benchmarks/verify_cost.py --json benchmarks/results/cpu-2cores/verify_cost.json
 """
@@ -13,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
@@ -31,37 +31,28 @@ def main() -> None:
     import jax
 
     from hsd_jax import load_target
-    from hsd_jax.bench import machine_info
+    from hsd_jax.bench import interleaved_ms, machine_info
     from hsd_jax.models import llama
     from hsd_jax.tune import verify_inputs, verify_program
 
     sizes = [int(s) for s in args.sizes.split(",")]
     target = load_target(args.model, tokenizer=False)
-    cfg = target.config
+    cfg, params = target.config, target.params
 
-    def forward(params, toks, pos, cache, parents):
+    def forward(params, toks, pos, cache, parents, screen):
         return llama.forward(params, cfg, toks, pos, cache, parents).features
 
-    def verify_dot_head(params, toks, pos, cache, parents):
+    def verify_dot_head(params, toks, pos, cache, parents, screen):
         return llama.logits_from_features(params, cfg, llama.forward(params, cfg, toks, pos, cache, parents).features)
 
-    programs = {"forward": jax.jit(forward), "verify": verify_program(cfg),
+    programs = {"forward": jax.jit(forward), "verify": verify_program(cfg), "verify_f32_head": verify_program(cfg, False),
                 "verify_dot_head": jax.jit(verify_dot_head)}
-    inputs = {n: verify_inputs(cfg, n, args.context) for n in sizes}
-    for n in sizes:
-        for fn in programs.values():
-            jax.block_until_ready(fn(target.params, *inputs[n]))     # compile and warm up
-    times = {name: {n: [] for n in sizes} for name in programs}
-    for _ in range(args.rounds):
-        for n in sizes:
-            for name, fn in programs.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(target.params, *inputs[n]))
-                times[name][n].append(time.perf_counter() - t0)
+    inputs = {n: [(params, *verify_inputs(cfg, n, args.context), llama.head_screen(params, cfg, n))] for n in sizes}
+    ms_by_name = interleaved_ms(programs, inputs, args.rounds)
     out = {"n": sizes, "context": args.context, "rounds": args.rounds, "model": args.model,
            "machine": machine_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
     for name in programs:
-        ms = [round(1e3 * statistics.median(times[name][n]), 3) for n in sizes]
+        ms = [ms_by_name[name][n] for n in sizes]
         out[name] = {"ms": ms, "ratio_to_n1": [round(m / ms[0], 3) for m in ms]}
     out["ms"], out["ratio_to_n1"] = out["verify"]["ms"], out["verify"]["ratio_to_n1"]
     for name in programs:

@@ -105,6 +105,27 @@ def machine_info() -> dict:
             "jax": jax.__version__}
 
 
+def interleaved_ms(programs: dict[str, Callable], inputs: dict, rounds: int) -> dict[str, dict]:
+    """Median milliseconds of each program at each size: {name: {n: ms}}. `inputs[n]` is a list of
+    argument tuples, cycled by round; every (n, program) runs once per round, so a passing slowdown
+    of the machine hits all of them alike. Each is compiled and warmed up first."""
+    import time
+
+    import jax
+
+    for args in inputs.values():
+        for fn in programs.values():
+            jax.block_until_ready(fn(*args[0]))
+    times = {name: {n: [] for n in inputs} for name in programs}
+    for r in range(rounds):
+        for n, args in inputs.items():
+            for name, fn in programs.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args[r % len(args)]))
+                times[name][n].append(time.perf_counter() - t0)
+    return {name: {n: round(statistics.median(t) * 1e3, 3) for n, t in by_n.items()} for name, by_n in times.items()}
+
+
 def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_size: int = 1,
               temperature: float = 0.0, progress: bool = True, deadline: float | None = None) -> dict:
     """Run every method on every batch of prompts, interleaved; returns the per-method summary.

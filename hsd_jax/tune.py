@@ -10,7 +10,6 @@ and drafter in the user cache folder (`hsd_jax.tuning`).
 from __future__ import annotations
 
 import statistics
-import time
 
 from hsd_jax.engine import REUSE_POLICIES
 from hsd_jax.tuning import hardware_key, save_tuned
@@ -31,38 +30,41 @@ def verify_inputs(cfg, n: int, context: int):
             jnp.asarray(np.arange(n)[None] - 1, jnp.int32))
 
 
-def verify_program(cfg):
-    """The target's part of a verify as `engine.verify_tree` runs it, jitted: forward over the
-    new tokens, then the serving head on every one."""
+def verify_program(cfg, greedy: bool = True):
+    """The target's part of a verify as `engine.target_verdict` runs it, jitted:
+    f(params, tokens, positions, cache, parents, screen). Forward over the new tokens, then the
+    head: at T = 0 (`greedy`) the argmax, from the bf16 screen where the engine builds one (the
+    certified case, which is every row measured on real answers: `serving_argmax` falls back to the
+    f32 head only for uncertified rows), else the f32 logits that sampling reads."""
     import jax
+    import jax.numpy as jnp
 
     from hsd_jax.models import llama
 
     @jax.jit
-    def verify(params, tokens, positions, cache, parents):
-        return llama.serving_logits(params, cfg, llama.forward(params, cfg, tokens, positions, cache, parents).features)
+    def verify(params, tokens, positions, cache, parents, screen):
+        features = llama.forward(params, cfg, tokens, positions, cache, parents).features
+        if not greedy:
+            return llama.serving_logits(params, cfg, features)
+        if screen is None:
+            return jnp.argmax(llama.serving_logits(params, cfg, features), -1)
+        return llama.screened_argmax(params, cfg, features.reshape(-1, features.shape[-1]), screen)   # with the check
 
     return verify
 
 
 def verify_cost_curve(target, sizes=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64), context: int = 256,
-                      repeats: int = 5) -> dict[int, float]:
+                      repeats: int = 5, greedy: bool = True) -> dict[int, float]:
     """Milliseconds of one verify (`verify_program` over N new tree tokens) after `context` cached
     tokens; medians of rounds that interleave every N, so a passing slowdown hits all N alike."""
-    import jax
+    from hsd_jax.bench import interleaved_ms
+    from hsd_jax.models import llama
 
-    cfg = target.config
-    verify = verify_program(cfg)
-    inputs = {n: verify_inputs(cfg, n, context) for n in sizes}
-    for n in sizes:
-        jax.block_until_ready(verify(target.params, *inputs[n]))
-    times = {n: [] for n in sizes}
-    for _ in range(repeats):
-        for n in sizes:
-            t0 = time.perf_counter()
-            jax.block_until_ready(verify(target.params, *inputs[n]))
-            times[n].append(time.perf_counter() - t0)
-    return {n: round(statistics.median(ts) * 1e3, 3) for n, ts in times.items()}
+    cfg, params = target.config, target.params
+    verify = verify_program(cfg, greedy)
+    inputs = {n: [(params, *verify_inputs(cfg, n, context), llama.head_screen(params, cfg, n) if greedy else None)]
+              for n in sizes}
+    return interleaved_ms({"verify": verify}, inputs, repeats)["verify"]
 
 
 def candidate_trees(max_nodes: int = 64) -> list[dict]:

@@ -87,3 +87,23 @@ def test_tuned_trees_live_in_the_user_cache_keyed_by_hardware_model_and_drafter(
     monkeypatch.delenv("HSD_JAX_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tuned_dir / "xdg"))
     assert tuning.cache_dir() == str(tuned_dir / "xdg" / "hsd_jax" / "tuned")
+
+
+def test_the_timed_verify_is_the_engines_greedy_verdict():
+    """`hsd tune` times the head the greedy engine runs (the bf16 screen over 2+ rows), and it
+    names the f32 argmax."""
+    import numpy as np
+
+    from hsd_jax.models import llama
+
+    target = tiny_target(vocab=64, tie_word_embeddings=True)
+    cfg, params = target.config, target.params
+    greedy, f32 = tune.verify_program(cfg), tune.verify_program(cfg, greedy=False)
+    for n in (1, 3, 8):
+        args = tune.verify_inputs(cfg, n, context=5)
+        screen = llama.head_screen(params, cfg, n)
+        assert (screen is None) == (n == 1)
+        out = greedy(params, *args, screen)
+        tokens, certified = out if screen is not None else (out, np.ones(n, bool))
+        assert np.asarray(certified).all()
+        np.testing.assert_array_equal(np.ravel(tokens), np.ravel(np.argmax(f32(params, *args, None), -1)))
