@@ -143,8 +143,10 @@ _COMPILED: dict = {}
 
 SMALL_PROGRAM_PARAMS = 1 << 20
 # XLA:CPU options for programs over tiny models: their steps take microseconds, so LLVM's
-# optimiser never pays back the ~40% of compile time it costs (tests, toy models).
-FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# optimiser never pays back the ~40% of compile time it costs, nor the MLIR fusion emitters the
+# ~35% of what remains (tests, toy models; both measured on a tiny hsd decode loop).
+FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+                        "xla_cpu_use_fusion_emitters": False}
 
 
 def compile_options(params) -> dict:

@@ -24,6 +24,18 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
+# Modules whose module-scoped fixtures run long subprocesses (seconds, serial on this machine
+# kind): collected first, so that under `pytest -n 2 --dist loadfile` (README) they start at once
+# and the short modules fill the other worker around them, instead of one of them starting last.
+LONG_MODULES = ("test_device_pack.py", "test_sharding.py", "test_multihost.py", "test_training.py",
+                "test_notebooks.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_MODULES)))   # stable: file order otherwise
+
+
 @pytest.fixture(scope="session")
 def smol():
     """SmolLM2-135M-Instruct in JAX (f32, reference attention on CPU)."""
@@ -40,7 +52,7 @@ def smol_torch():
 
     from hsd_jax.loading.gguf_loader import default_gguf_path
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)   # a core per xdist worker
     path = default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=torch.float32)
