@@ -24,9 +24,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
-# Modules whose module-scoped fixtures run long subprocesses (seconds, serial on this machine
-# kind): collected first, so that under `pytest -n 2 --dist loadfile` (README) they start at once
-# and the short modules fill the other worker around them, instead of one of them starting last.
+# The longest modules (most run subprocesses from module fixtures: 1-4 minutes each on 2 cores):
+# collected first, so that under `pytest -n 2 --dist loadfile --no-loadscope-reorder` (README) they
+# start at once and the short modules fill the other worker, instead of one of them starting last.
 LONG_MODULES = ("test_device_pack.py", "test_sharding.py", "test_multihost.py", "test_training.py",
                 "test_notebooks.py")
 
