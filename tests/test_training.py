@@ -7,6 +7,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -237,6 +238,30 @@ def test_eagle3_training_lowers_loss_serves_losslessly_and_exports(tmp_path, tin
     export_eagle3(os.path.join(cfg.out_dir, "drafter"), str(tmp_path / "published"))
     again = load_drafter("eagle3", str(tmp_path / "published"), target=tiny)
     assert generate(tiny, prompt, drafter=again, **kw)[0].stats["rounds"] == res.stats["rounds"]
+
+
+def test_frozen_groups_keep_their_starting_values(tmp_path, tiny, tiny_data):
+    """`frozen: [norm, lm_head]` trains an eagle3 drafter that reads out through the target's own
+    final norm and LM head columns (where its head starts): those stay exact, the layer learns."""
+    import numpy as np
+
+    from hsd_jax import load_drafter
+    from hsd_jax.models.llama import lm_head_weight
+
+    with pytest.raises(ConfigError, match="list of parameter group names"):
+        _cfg(tmp_path, tiny_data, kind="eagle3", frozen="lm_head")
+    with pytest.raises(ConfigError, match=r"frozen names \['head'\]"):
+        train(_cfg(tmp_path, tiny_data, kind="eagle3", draft_vocab_size=48, steps=3, frozen=["head"]), target=tiny,
+              progress=False, log=lambda *_: None)
+    cfg = _cfg(tmp_path, tiny_data, kind="eagle3", draft_vocab_size=48, steps=20, frozen=["norm", "lm_head"],
+               eval_untrained=False, out_dir=str(tmp_path / "frozen"))
+    final = train(cfg, target=tiny, progress=False, log=lambda *_: None)
+    assert final["loss_last"] < final["loss_first"]
+    dr = load_drafter("eagle3", os.path.join(cfg.out_dir, "drafter"), target=tiny)
+    stored = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))   # drafters are saved in bf16
+    head = np.take(np.asarray(lm_head_weight(tiny.params, tiny.config)), dr.d2t, axis=1)
+    np.testing.assert_array_equal(np.asarray(dr.params["lm_head"]["kernel"]), stored(head))
+    np.testing.assert_array_equal(np.asarray(dr.params["norm"]["scale"]), stored(tiny.params["norm"]["scale"]))
 
 
 def test_training_a_drafter_that_fuses_several_target_layers(tmp_path, tiny, tiny_data):

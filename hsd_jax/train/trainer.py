@@ -55,6 +55,8 @@ class TrainConfig:
     holdout_fraction: float = 0.05
     sd_layers: int = 3
     init_from: str = ""  # a drafter directory (`hsd train` output) to start from instead of random weights
+    frozen: tuple = ()  # top-level drafter parameter groups kept at their starting values (e.g. eagle3
+    #                     [norm, lm_head]: read out through the target's head, as hsd and eagle do)
     max_seconds: float = 0.0  # stop this run after so many seconds of training (0: no limit), then export
     feature_batch: int = 8  # sequences per target prefill when building the feature cache
     eval_untrained: bool = True  # evaluate the starting weights too (time-boxed runs skip it)
@@ -68,6 +70,9 @@ class TrainConfig:
         if isinstance(self.data_dir, list):
             object.__setattr__(self, "data_dir", tuple(self.data_dir))
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+        if isinstance(self.frozen, str) or not all(isinstance(k, str) and k for k in self.frozen):
+            raise ConfigError(f"frozen must be a list of parameter group names, got {self.frozen!r}")
+        object.__setattr__(self, "frozen", tuple(self.frozen))
         if self.feature_layers and self.kind not in ("hsd", "eagle3"):
             raise ConfigError(f"feature_layers is implemented for hsd and eagle3 drafters, not {self.kind!r}")
         if self.kind == "eagle3" and self.feature_layers and len(self.feature_layers) != 3:
@@ -216,11 +221,20 @@ def feature_rms(data: SequenceData, n: int = 64) -> float:
     return float(np.sqrt(np.mean(np.concatenate(vals) ** 2)))
 
 
-def make_optimizer(cfg: TrainConfig):
+def make_optimizer(cfg: TrainConfig, params: dict | None = None):
     """AdamW without its learning rate: the train step scales the update by `learning_rate(...)`,
-    so a run can follow its schedule by step or, under `max_seconds`, by elapsed time."""
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.scale_by_adam(),
-                       optax.add_decayed_weights(cfg.weight_decay))
+    so a run can follow its schedule by step or, under `max_seconds`, by elapsed time. The groups
+    in `cfg.frozen` (top-level keys of `params`) get no update at all, weight decay included."""
+    adamw = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.scale_by_adam(),
+                        optax.add_decayed_weights(cfg.weight_decay))
+    if not cfg.frozen:
+        return adamw
+    unknown = sorted(set(cfg.frozen) - set(params or {}))
+    if unknown:
+        raise ConfigError(f"frozen names {unknown}, not parameter groups of this {cfg.kind} drafter "
+                          f"(it has {sorted(params or {})})")
+    labels = {k: jax.tree.map(lambda _, k=k: "frozen" if k in cfg.frozen else "train", v) for k, v in params.items()}
+    return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
 
 
 def learning_rate(cfg: TrainConfig, step: int, elapsed: float = 0.0) -> float:
@@ -434,7 +448,7 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     else:
         task = _feature_task(cfg, target, data)
     params = task["params"]
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg, params)
     state = {"params": params, "opt": tx.init(params)}
     if mesh is not None:
         state = sharding.shard_params(state, mesh)
