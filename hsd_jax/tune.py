@@ -37,7 +37,6 @@ def verify_program(cfg, greedy: bool = True):
     certified case, which is every row measured on real answers: `serving_argmax` falls back to the
     f32 head only for uncertified rows), else the f32 logits that sampling reads."""
     import jax
-    import jax.numpy as jnp
 
     from hsd_jax.models import llama
 
@@ -47,7 +46,7 @@ def verify_program(cfg, greedy: bool = True):
         if not greedy:
             return llama.serving_logits(params, cfg, features)
         if screen is None:
-            return jnp.argmax(llama.serving_logits(params, cfg, features), -1)
+            return llama.serving_argmax(params, cfg, features, None)
         return llama.screened_argmax(params, cfg, features.reshape(-1, features.shape[-1]), screen)   # with the check
 
     return verify

@@ -243,8 +243,6 @@ def test_eagle3_training_lowers_loss_serves_losslessly_and_exports(tmp_path, tin
 def test_frozen_groups_keep_their_starting_values(tmp_path, tiny, tiny_data):
     """`frozen: [norm, lm_head]` trains an eagle3 drafter that reads out through the target's own
     final norm and LM head columns (where its head starts): those stay exact, the layer learns."""
-    import numpy as np
-
     from hsd_jax import load_drafter
     from hsd_jax.models.llama import lm_head_weight
 
