@@ -240,6 +240,45 @@ def test_eagle3_training_lowers_loss_serves_losslessly_and_exports(tmp_path, tin
     assert generate(tiny, prompt, drafter=again, **kw)[0].stats["rounds"] == res.stats["rounds"]
 
 
+def test_loss_weights_default_to_the_kinds_recipe_and_eagle3_can_regress_features(tmp_path, tiny):
+    """Unset ce/feature weights take the kind's recipe (eagle3: token loss only, as published); an
+    eagle3 run with `feature_weight` > 0 adds exactly the smooth-L1 distance of every unroll step's
+    output from the next target feature, scaled by the feature RMS."""
+    import optax
+
+    from hsd_jax.models import eagle3
+    from hsd_jax.train import losses
+
+    weights = lambda kind, **kw: (lambda c: (c.ce_weight, c.feature_weight))(
+        TrainConfig(kind=kind, data_dir="d", out_dir="o", **kw))
+    assert weights("hsd") == weights("eagle") == (0.5, 1.0)
+    assert weights("eagle3") == (1.0, 0.0)
+    assert weights("eagle3", feature_weight=1.0) == (1.0, 1.0)
+    assert weights("hsd", ce_weight=1.0, feature_weight=0.0) == (1.0, 0.0)
+
+    cfg = eagle3.Eagle3Config.for_target(tiny.config, draft_vocab_size=48, feature_layers=(1, 0, 0))
+    params = eagle3.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    b, w, d = 2, 12, tiny.config.hidden_size
+    feats = rng.normal(0, 3.0, (b, w, d)).astype(np.float32)
+    batch = losses.Batch(jnp.asarray(rng.integers(0, 64, (b, w)), jnp.int32), jnp.asarray(feats),
+                         jnp.asarray(np.arange(w) < w - 2).repeat(b).reshape(w, b).T, jnp.ones((b, w), bool),
+                         jnp.asarray(rng.normal(0, 3.0, (b, w, 3, d)), jnp.float32))
+    t2d = jnp.asarray(np.where(np.arange(64) < 48, np.arange(64), -1), jnp.int32)
+    table = tiny.params["embed_tokens"]["embedding"]
+    run = lambda fw: losses.eagle3_loss(params, cfg, table, t2d, batch, jax.random.key(1), steps=2, ce_positions=4,
+                                        weights=losses.LossWeights(feature=fw, ce=1.0), feature_rms=3.0)
+    (plain, m0), (both, m2) = run(0.0), run(2.0)
+    assert "feat_1" not in m0
+    outs = losses.unrolled_eagle3(params, cfg, table, batch, 2)
+    f_next = np.concatenate([feats[:, 1:], feats[:, -1:]], 1)
+    valid = np.asarray(batch.valid)
+    want = [float((np.asarray(optax.huber_loss((np.asarray(h) - f_next) / 3.0, delta=1.0)).mean(-1) * mk).sum()
+                  / mk.sum()) for h, mk in zip(outs, (valid, valid & (np.arange(w) >= 1)))]
+    np.testing.assert_allclose([float(m2["feat_1"]), float(m2["feat_2"])], want, rtol=1e-5)
+    np.testing.assert_allclose(float(both) - float(plain), 2.0 * (want[0] + 0.8 * want[1]), rtol=1e-4)
+
+
 def test_frozen_groups_keep_their_starting_values(tmp_path, tiny, tiny_data):
     """`frozen: [norm, lm_head]` trains an eagle3 drafter that reads out through the target's own
     final norm and LM head columns (where its head starts): those stay exact, the layer learns."""

@@ -218,9 +218,11 @@ def unrolled_eagle3(params, cfg, table, batch: Batch, steps: int) -> list[jax.Ar
 
 
 def eagle3_loss(params, cfg, table, t2d, batch: Batch, key, *, steps: int, ce_positions: int,
-                step_decay: float = 0.8):
+                weights: LossWeights = LossWeights(feature=0.0, ce=1.0), feature_rms: float = 1.0):
     """EAGLE-3's token loss: draft-vocab cross-entropy of the data's next token at every unroll step
-    on `ce_positions` sampled response positions per row (no feature regression)."""
+    on `ce_positions` sampled response positions per row. With `weights.feature` > 0 it adds EAGLE-1's
+    smooth-L1 regression of each step's output h onto the target's next last-layer feature (pre-norm,
+    divided by `feature_rms`, as hsd's and eagle's), which the published recipe drops."""
     from hsd_jax.models import eagle3
 
     outs = unrolled_eagle3(params, cfg, table, batch, steps)
@@ -228,6 +230,8 @@ def eagle3_loss(params, cfg, table, t2d, batch: Batch, key, *, steps: int, ce_po
     pick, has_any = _ce_picks(batch, key, ce_positions)
     lab = t2d[jnp.take_along_axis(labels, pick, 1)]
     total, metrics = 0.0, {}
+    if weights.feature:
+        f_next = jnp.concatenate([batch.features[:, 1:], batch.features[:, -1:]], 1).astype(jnp.float32)
     for k, h in enumerate(outs, 1):
         m = _step_mask(batch, k)
         logits = eagle3.logits(params, cfg, jnp.take_along_axis(h, pick[..., None], 1))
@@ -235,8 +239,15 @@ def eagle3_loss(params, cfg, table, t2d, batch: Batch, key, *, steps: int, ce_po
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(lab, 0))
         ce = (ce * mask).sum() / jnp.maximum(mask.sum(), 1)
         acc = ((jnp.argmax(logits, -1) == lab) * mask).sum() / jnp.maximum(mask.sum(), 1)
-        total = total + step_decay ** (k - 1) * ce
+        step_loss = weights.ce * ce
         metrics.update({f"ce_{k}": ce, f"acc_{k}": acc})
+        if weights.feature:
+            mf = m.astype(jnp.float32)
+            feat = optax.huber_loss((h - f_next) / feature_rms, delta=1.0).mean(-1)
+            feat = (feat * mf).sum() / jnp.maximum(mf.sum(), 1.0)
+            step_loss = step_loss + weights.feature * feat
+            metrics[f"feat_{k}"] = feat
+        total = total + weights.step_decay ** (k - 1) * step_loss
     return total, metrics
 
 

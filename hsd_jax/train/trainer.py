@@ -23,6 +23,10 @@ from hsd_jax.train import losses
 from hsd_jax.train.data import DataError, load_shards, shard_paths, shard_rows
 from hsd_jax.train.features import aux_path, build_feature_cache, feature_path
 
+# (ce_weight, feature_weight) by drafter kind when a config names neither: hsd and eagle regress the next
+# target feature as EAGLE-1 does; EAGLE-3's published recipe trains on the token loss only.
+LOSS_WEIGHTS = {"hsd": (0.5, 1.0), "eagle": (0.5, 1.0), "eagle3": (1.0, 0.0)}
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -40,8 +44,8 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    ce_weight: float = 0.5
-    feature_weight: float = 1.0  # weight of the feature regression (0: token loss only)
+    ce_weight: float | None = None  # token loss weight (default: the kind's recipe, see LOSS_WEIGHTS)
+    feature_weight: float | None = None  # feature regression weight (0: token loss only; default: the kind's)
     soft_labels: bool = False  # token loss against the target's draft-vocab distribution, not the data's token
     draft_vocab_size: int = 8192
     injection: str = "fused"
@@ -89,6 +93,9 @@ class TrainConfig:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.max_seconds < 0:
             raise ConfigError(f"max_seconds must be >= 0 (0: no limit), got {self.max_seconds}")
+        for name, default in zip(("ce_weight", "feature_weight"), LOSS_WEIGHTS.get(self.kind, (1.0, 0.0))):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
         if self.ce_weight < 0 or self.feature_weight < 0 or self.ce_weight + self.feature_weight == 0:
             raise ConfigError(f"ce_weight and feature_weight must be >= 0 and not both 0, got "
                               f"{self.ce_weight} and {self.feature_weight}")
@@ -260,7 +267,8 @@ def run_vocab(cfg: TrainConfig, target, data: SequenceData, init=None) -> tuple[
         with np.load(path, allow_pickle=False) as z:
             return z["d2t"].astype(np.int32), float(z["feature_rms"])
     if init is not None:
-        d2t, rms = np.asarray(init.d2t, np.int32), float(getattr(init.config, "feature_rms", 1.0))
+        d2t = np.asarray(init.d2t, np.int32)
+        rms = float(getattr(init.config, "feature_rms", 0.0)) or round(feature_rms(data), 3)  # eagle3 keeps none
     else:
         rows = [data.rows[r] for r in data.train]  # training rows only: held-out coverage stays honest
         d2t = draft_vocab([r[0] for r in rows], [r[3] for r in rows], target.config.vocab_size, cfg.draft_vocab_size)
@@ -306,20 +314,23 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
 
 
 def _eagle3_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
-    """EAGLE-3 drafter: fused low/mid/high features, training-time-test unroll, token loss only,
-    reduced vocabulary from the same data as the other drafters."""
+    """EAGLE-3 drafter: fused low/mid/high features, training-time-test unroll, token loss (plus, when
+    `feature_weight` > 0, EAGLE-1's regression of the next target feature), reduced vocabulary from
+    the same data as the other drafters."""
     from hsd_jax.models import eagle3
     from hsd_jax.models.drafter import target_to_draft
 
     init = _init_drafter(cfg, target)
-    d2t, _ = run_vocab(cfg, target, data, init)
+    d2t, rms = run_vocab(cfg, target, data, init)
     t2d = target_to_draft(d2t, target.config.vocab_size)
     dcfg = eagle3.Eagle3Config.for_target(target.config, draft_vocab_size=len(d2t), feature_layers=cfg.feature_layers)
     dcfg.check_target(target.config)
 
     def loss(params, batch, key, consts):
         return losses.eagle3_loss(params, dcfg, consts["table"], consts["t2d"], batch, key, steps=cfg.unroll,
-                                  ce_positions=cfg.ce_positions)
+                                  ce_positions=cfg.ce_positions,
+                                  weights=losses.LossWeights(feature=cfg.feature_weight, ce=cfg.ce_weight),
+                                  feature_rms=rms)
 
     def accept(params, batch, consts):
         return losses.eagle3_acceptance(params, dcfg, consts["table"], consts["d2t"], batch, cfg.unroll)
