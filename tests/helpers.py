@@ -113,3 +113,50 @@ def run_cli(*args):
         except SystemExit as e:  # argparse usage errors
             code = e.code if isinstance(e.code, int) else 2
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+def tiny_smollm2_gguf(path, hidden=96, layers=2, heads=6, kv_heads=2, seed=0):
+    """A random tiny LLaMA GGUF with SmolLM2's tokenizer, chat template and vocabulary (the embedded
+    file's fields): every code path that loads a GGUF by name and encodes chat text, at a fraction
+    of the real model's compile and run time."""
+    import gguf
+
+    from hsd_jax.loading.gguf_file import read_gguf
+    from hsd_jax.loading.gguf_loader import default_gguf_path
+
+    src = read_gguf(default_gguf_path())
+    vocab = len(src.fields["tokenizer.ggml.tokens"])
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny random llama with the SmolLM2 tokenizer (tests)")
+    for add, value in ((w.add_block_count, layers), (w.add_context_length, 8192), (w.add_embedding_length, hidden),
+                       (w.add_feed_forward_length, 2 * hidden), (w.add_head_count, heads),
+                       (w.add_head_count_kv, kv_heads), (w.add_rope_freq_base, 100000.0),
+                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_dimension_count, hidden // heads)):
+        add(value)
+    for key, value in src.fields.items():
+        if key.startswith("tokenizer."):
+            if isinstance(value, list):
+                w.add_array(key, value)
+            elif isinstance(value, str):
+                w.add_string(key, value)
+            elif isinstance(value, bool):
+                w.add_bool(key, value)
+            else:
+                w.add_uint32(key, int(value))
+    rng = np.random.default_rng(seed)
+    dh = hidden // heads
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                       f"blk.{i}.attn_q.weight": (heads * dh, hidden), f"blk.{i}.attn_k.weight": (kv_heads * dh, hidden),
+                       f"blk.{i}.attn_v.weight": (kv_heads * dh, hidden), f"blk.{i}.attn_output.weight": (hidden, heads * dh),
+                       f"blk.{i}.ffn_gate.weight": (2 * hidden, hidden), f"blk.{i}.ffn_up.weight": (2 * hidden, hidden),
+                       f"blk.{i}.ffn_down.weight": (hidden, 2 * hidden)})
+    for name, shape in shapes.items():
+        value = np.ones(shape) if len(shape) == 1 else rng.normal(0, 0.3 if "token_embd" not in name else 1.0, shape)
+        w.add_tensor(name, value.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

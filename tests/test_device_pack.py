@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import tiny_smollm2_gguf
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "device" / "run.sh"
 
@@ -22,11 +24,14 @@ def _stage_module():
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
+    """Every part on a tiny random GGUF with SmolLM2's tokenizer (the staged-model path a lease uses):
+    the pack's code end to end at a fraction of SmolLM2's compile and run time."""
     out = tmp_path_factory.mktemp("pack_out")
     work = tmp_path_factory.mktemp("pack_work")
+    model = tiny_smollm2_gguf(tmp_path_factory.mktemp("pack_model") / "model.gguf")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(["bash", str(RUN), "--dry-run", "--parts", "smoke,train,bench,tune,kernel", "--out",
-                           str(out), "--work", str(work), "--budget-s", "1500"],
+                           str(out), "--work", str(work), "--budget-s", "1500", "--model", model],
                           capture_output=True, text=True, env=env, timeout=1700)
     return proc, out, work
 
