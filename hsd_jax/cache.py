@@ -91,6 +91,13 @@ def take_slots(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
+def restore_slots(new: KVCache, old: KVCache, start: jax.Array, stop: jax.Array) -> KVCache:
+    """`new` with `old`'s entries at slots start[b] <= s < stop[b]: undoes scratch writes there."""
+    s = jnp.arange(new.capacity, dtype=jnp.int32)[None]
+    keep = ((s >= start[:, None]) & (s < stop[:, None]))[None, :, None, :, None]
+    return new.replace(k=jnp.where(keep, old.k, new.k), v=jnp.where(keep, old.v, new.v))
+
+
 def at_offset(cache: KVCache, offset) -> KVCache:
     """The same cache with writes aimed `offset` slots past the committed length."""
     return cache.replace(lengths=cache.lengths + offset)

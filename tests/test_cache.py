@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hsd_jax.cache import advance, compact, init_cache, write_layer
+from hsd_jax.cache import advance, compact, init_cache, restore_slots, write_layer
 
 
 def _filled(b=2, s=12, layers=2, h=1, d=1):
@@ -54,3 +54,15 @@ def test_compact_with_zero_count_changes_nothing():
     out = compact(c, jnp.array([[4, 5], [1, 2]], jnp.int32), jnp.array([0, 0], jnp.int32))
     np.testing.assert_array_equal(np.asarray(out.k), np.asarray(c.k))
     assert out.lengths.tolist() == [3, 0]
+
+
+def test_restore_slots_undoes_writes_only_inside_each_sequences_range():
+    old = _filled(b=2, s=12)
+    new = old.replace(k=old.k * 0 + 100.0, v=old.v * 0 + 100.0)
+    out = restore_slots(new, old, jnp.array([2, 5]), jnp.array([4, 12]))
+    kept = np.zeros((2, 12), bool)
+    kept[0, 2:4] = kept[1, 5:] = True
+    for a, o in ((out.k, old.k), (out.v, old.v)):
+        a, o = (np.moveaxis(np.asarray(x), (1, 3), (0, 1)) for x in (a, o))   # [B, S, L, H, D]
+        assert np.array_equal(a[kept], o[kept])
+        assert np.all(a[~kept] == 100.0)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hsd_jax.cache import KVCache, advance, at_offset, init_cache, take_slots
+from hsd_jax.cache import KVCache, advance, at_offset, init_cache, restore_slots, take_slots
 from hsd_jax.methods.base import Draft, Method
 from hsd_jax.methods.features import feature_drafter
 from hsd_jax.models import drafter
@@ -96,11 +96,13 @@ def rebuild_chain(dparams, dcfg, cache: KVCache, chain, acc, feats, aux, live, r
     count = jnp.where(live, m + 1, 0)
     fp = take_slots(feats, acc.path)
     ap = jnp.stack([take_slots(a, acc.path) for a in aux]) if aux.shape[0] else aux
-    g_all, cache = ingest(dparams, dcfg, cache, fp, ap, count)
+    g_all, new_cache = ingest(dparams, dcfg, cache, fp, ap, count)
     fresh = take_slots(g_all, m[:, None])[:, 0]
     if reuse == "none":
         kept = jnp.zeros((b,), bool)
-    else:
+        cache = new_cache
+    else:   # the kept chain states' keys and values sit past the accepted path: the ingest's scratch must not clobber them
+        cache = restore_slots(new_cache, cache, new_cache.lengths, cache.lengths + fp.shape[1])
         kept = m <= depth - 2
         shifted = take_slots(chain, jnp.minimum(jnp.arange(depth)[None] + m[:, None] + 1, depth - 1))
         chain = jnp.where(kept[:, None, None], shifted, chain)
