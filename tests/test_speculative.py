@@ -148,6 +148,32 @@ def test_chain_reuse_runs_fewer_drafter_steps(tiny, drafters):
     assert [r.token_ids for r in none] == [r.token_ids for r in chain]
 
 
+def test_a_chain_step_run_for_other_rows_leaves_a_row_that_does_not_need_it_as_it_was(tiny, drafters):
+    """`chain_extend` runs a step when any row needs it; a row whose reused chain starts later keeps
+    its chain and its drafter cache, as when it runs alone, so it drafts the same in any batch."""
+    from hsd_jax.cache import init_cache
+    from hsd_jax.methods.hsd import chain_extend
+
+    dr = drafters["hsd"]
+    d = tiny.config.hidden_size
+    rng = np.random.default_rng(0)
+    lcfg = dr.config.layer_config()
+    cache = init_cache(lcfg.num_layers, 2, lcfg.num_kv_heads, 32, lcfg.head_dim)
+    cache = cache.replace(k=jnp.asarray(rng.normal(size=cache.k.shape), jnp.float32),
+                          v=jnp.asarray(rng.normal(size=cache.v.shape), jnp.float32),
+                          lengths=jnp.array([5, 9], jnp.int32))
+    chain = jnp.asarray(rng.normal(size=(2, 4, d)), jnp.float32)
+    both, both_cache, steps = chain_extend(dr.params, dr.config, cache, chain, jnp.array([0, 2]))
+    assert steps.tolist() == [3, 1]
+    row = lambda c, i: c.replace(k=c.k[:, i:i + 1], v=c.v[:, i:i + 1], lengths=c.lengths[i:i + 1])
+    alone, alone_cache, _ = chain_extend(dr.params, dr.config, row(cache, 1), chain[1:], jnp.array([2]))
+    np.testing.assert_array_equal(np.asarray(both[1, :3]), np.asarray(chain[1, :3]))   # kept: untouched
+    close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    close(both[1], alone[0])               # the step it needs: equal up to the batch shape's rounding
+    close(row(both_cache, 1).k, alone_cache.k)
+    close(row(both_cache, 1).v, alone_cache.v)
+
+
 def _exact_marginals(tgt, prompt, n_pos, temperature, top_k=0, top_p=1.0):
     """Exact distribution of each of the first n_pos sampled tokens, by enumerating prefixes."""
     from hsd_jax.config import SamplingConfig

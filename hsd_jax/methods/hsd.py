@@ -28,8 +28,10 @@ def chain_extend(dparams, dcfg, cache: KVCache, chain, start):
     """Fill chain[:, i+1] for i >= start[b] by feeding chain[:, i] at slot length + i.
 
     The chain is token-free, so this never waits for drafted tokens. Steps no sequence
-    needs are skipped (lax.cond), so reuse saves real work. Entries written past the
-    committed length are scratch. Returns (chain, cache, steps [B]).
+    needs are skipped (lax.cond), so reuse saves real work; a step run for other sequences
+    leaves a sequence that does not need it as it was (chain and cache), so a row drafts the
+    same in any batch. Entries written past the committed length are scratch. Returns
+    (chain, cache, steps [B]).
     """
     b, depth, _ = chain.shape
     steps = jnp.zeros((b,), jnp.int32)
@@ -43,7 +45,8 @@ def chain_extend(dparams, dcfg, cache: KVCache, chain, start):
             g, view = drafter.run_layers(dparams, dcfg, chain[:, i][:, None], view.lengths[:, None], view,
                                          root_parent)
             chain = chain.at[:, i + 1].set(jnp.where(need[:, None], g[:, 0], chain[:, i + 1]))
-            return chain, view.replace(lengths=cache.lengths)
+            slot = cache.lengths + i
+            return chain, restore_slots(view.replace(lengths=cache.lengths), cache, slot, jnp.where(need, slot, slot + 1))
 
         chain, cache = jax.lax.cond(jnp.any(need), step, lambda c: c, (chain, cache))
         steps = steps + need.astype(jnp.int32)
