@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=None, help="default: SpecConfig's (3)")
     ap.add_argument("--drafter", action="append", default=[], metavar="KIND=DIR",
                     help="use this drafter directory for a kind (e.g. hsd=runs/smollm2_hsd_v2/drafter); default: shipped")
+    ap.add_argument("--prompt-bucket", type=int, default=None,
+                    help="pad every prompt to one length (e.g. 512 for MT-bench): one compile per method at batch 1")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -39,13 +41,16 @@ def main() -> None:
     ids = [target.encode(p, chat=True) for p in load_suite(args.suite, args.num_prompts)]
     batches = [ids[i: i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
     sampling = dict(temperature=args.temperature, seed=args.seed)
+    if args.prompt_bucket:
+        sampling["prompt_bucket"] = args.prompt_bucket
     ar = None
     if args.temperature == 0:
-        ar = [r.token_ids for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens)]
+        ar = [r.token_ids for b in batches for r in generate(target, b, max_new_tokens=args.max_new_tokens, **sampling)]
     spec = SpecConfig(tree_nodes=args.tree_nodes or SpecConfig.tree_nodes, tree_depth=args.tree_depth or SpecConfig.tree_depth,
                       tree_top_k=args.top_k or SpecConfig.tree_top_k)
     tree = dict(tree_nodes=spec.tree_nodes, tree_depth=spec.tree_depth, tree_top_k=spec.tree_top_k)
-    out = {"suite": args.suite, "prompts": len(ids), "max_new_tokens": args.max_new_tokens, **sampling, "tree": tree,
+    out = {"suite": args.suite, "prompts": len(ids), "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
+           **sampling, "tree": tree,
            "drafters": paths, "methods": {}}
     for name in args.methods.split(","):
         kind, opts = method_spec(name)
