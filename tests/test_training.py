@@ -64,6 +64,38 @@ def test_chain_diagnostics_tell_a_copying_chain_from_a_working_one(tiny):
     assert working["heldout_chains"] == copying["heldout_chains"] > 0
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_unrolled_chain_matches_the_engine_chain_steps(tiny, layers):
+    """Step k of the training unroll at position q is the engine's chain: true features ingested up
+    to q-k+1, then k-1 token-free steps, each of the drafter's layers attending to its own cache."""
+    from hsd_jax.cache import init_cache
+    from hsd_jax.models import drafter as dmod
+    from hsd_jax.train import losses
+
+    dcfg = dmod.DrafterConfig.for_target("hsd", tiny.config, num_layers=layers, feature_rms=3.0)
+    params = dmod.init_drafter_params(dcfg, jax.random.key(4))
+    rng = np.random.default_rng(1)
+    w = 12
+    feats = jnp.asarray(rng.normal(size=(1, w, tiny.config.hidden_size)) * 3, jnp.float32)
+    batch = losses.Batch(jnp.asarray(rng.integers(0, 64, (1, w)), jnp.int32), feats, jnp.ones((1, w), bool),
+                         jnp.ones((1, w), bool))
+    outs = losses.unrolled_features(params, dcfg, None, batch, 3)
+    z = dmod.input_features(params, dcfg, feats, None)
+    pos = jnp.arange(w, dtype=jnp.int32)[None]
+    lcfg = dcfg.layer_config()
+    for k in (1, 2, 3):
+        for q in (k - 1, 5, w - 1):
+            s = q - k + 1
+            cache = init_cache(layers, 1, lcfg.num_kv_heads, 32, lcfg.head_dim)
+            g, cache = dmod.run_layers(params, dcfg, z[:, : s + 1], pos[:, : s + 1], cache)
+            cache, g = cache.replace(lengths=cache.lengths + s + 1), g[:, -1:]
+            for j in range(1, k):
+                g, cache = dmod.run_layers(params, dcfg, g, pos[:, s + j: s + j + 1], cache)
+                cache = cache.replace(lengths=cache.lengths + 1)
+            np.testing.assert_allclose(np.asarray(g[0, 0]), np.asarray(outs[k - 1][0, q]), rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{layers} layers, step {k} at {q}")
+
+
 def test_soft_labels_are_the_target_distribution_over_the_draft_vocab(tiny):
     """A chain that reproduces the next feature exactly and a read-out equal to the target's head
     leave only the target distribution's own entropy as the soft-label loss (KL 0), at every step;
@@ -373,6 +405,8 @@ def test_bad_training_configs_are_refused(tmp_path, tiny_data):
         _cfg(tmp_path, tiny_data, ce_weight=0.0, feature_weight=0.0)
     with pytest.raises(ConfigError, match="steps must be >= 1"):
         _cfg(tmp_path, tiny_data, steps=0)
+    with pytest.raises(ConfigError, match="drafter_layers is for hsd and eagle"):
+        _cfg(tmp_path, tiny_data, kind="eagle3", drafter_layers=2)
     with pytest.raises(ConfigError, match="learning_rate must be > 0"):
         _cfg(tmp_path, tiny_data, learning_rate=-1e-3)
     with pytest.raises(DataError, match="no training data"):

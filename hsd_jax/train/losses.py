@@ -52,11 +52,10 @@ def _shift_right(x, first):
 
 
 def unrolled_features(params, dcfg, view, batch: Batch, steps: int) -> list[jax.Array]:
-    """Drafter predictions G^(k) [B, W, d] for k = 1..steps (G^(k)_q predicts f_{q+1})."""
-    if dcfg.num_layers != 1:
-        raise ValueError("unrolled training supports one-layer drafters (num_layers=1)")
+    """Drafter predictions G^(k) [B, W, d] for k = 1..steps (G^(k)_q predicts f_{q+1}). Each of the
+    drafter's layers keeps its keys and values per source step, as the engine's cache holds them."""
     layer = DecoderLayer(dcfg.layer_config())
-    lp = {"params": jax.tree.map(lambda a: a[0], params["layers"])}
+    lps = [{"params": jax.tree.map(lambda a, i=i: a[i], params["layers"])} for i in range(dcfg.num_layers)]
     b, w = batch.tokens.shape
     pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
     x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
@@ -65,11 +64,14 @@ def unrolled_features(params, dcfg, view, batch: Batch, steps: int) -> list[jax.
         z = dmod.input_features(params, dcfg, batch.features.astype(jnp.float32), aux)
     else:
         z = dmod.eagle_inputs(params, dcfg, view, batch.features, x_next)
-    z0, ks, vs, outs = z, [], [], []
+    z0, outs = z, []
+    ks, vs = [[] for _ in lps], [[] for _ in lps]
     for k in range(1, steps + 1):
-        q, kk, vv = layer.apply(lp, z, pos, method=DecoderLayer.project)
-        ks.append(kk), vs.append(vv)
-        g = layer.apply(lp, z, multi_source_attention(q, ks, vs, k), method=DecoderLayer.output)
+        g = z
+        for lp, lk, lv in zip(lps, ks, vs):
+            q, kk, vv = layer.apply(lp, g, pos, method=DecoderLayer.project)
+            lk.append(kk), lv.append(vv)
+            g = layer.apply(lp, g, multi_source_attention(q, lk, lv, k), method=DecoderLayer.output)
         outs.append(g)
         prev = _shift_right(g, z0)
         z = prev if dcfg.kind == "hsd" else dmod.eagle_inputs(params, dcfg, view, prev, x_next)

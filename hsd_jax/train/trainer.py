@@ -51,6 +51,7 @@ class TrainConfig:
     injection: str = "fused"
     readout: str = "fused"
     readout_context: int = 1  # path tokens the fused read-out sees (hsd: 1 = the current token only)
+    drafter_layers: int = 1  # hsd / eagle: decoder layers in the drafter (the chain's recurrence)
     feature_layers: tuple = ()  # hsd / eagle3: target layers whose outputs the drafter fuses (FC) as its input
     #                             (eagle3 default: outputs of layers 1, L//2-1, L-4, as EAGLE-3 publishes)
     save_every: int = 100
@@ -69,8 +70,11 @@ class TrainConfig:
     def __post_init__(self):
         if self.kind not in ("hsd", "eagle", "eagle3", "sd"):
             raise ConfigError(f"kind must be hsd, eagle, eagle3 or sd, got {self.kind!r}")
-        if self.sd_layers < 1:
-            raise ConfigError(f"sd_layers must be >= 1, got {self.sd_layers}")
+        if self.sd_layers < 1 or self.drafter_layers < 1:
+            raise ConfigError(f"sd_layers and drafter_layers must be >= 1, got {self.sd_layers} and "
+                              f"{self.drafter_layers}")
+        if self.drafter_layers > 1 and self.kind not in ("hsd", "eagle"):
+            raise ConfigError(f"drafter_layers is for hsd and eagle drafters, not {self.kind!r}")
         if isinstance(self.data_dir, list):
             object.__setattr__(self, "data_dir", tuple(self.data_dir))
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
@@ -289,7 +293,7 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     t2d = jnp.asarray(dmod.target_to_draft(d2t, target.config.vocab_size))
     dcfg = dmod.DrafterConfig.for_target(cfg.kind, target.config, draft_vocab_size=len(d2t),
                                          injection=cfg.injection, readout=cfg.readout,
-                                         readout_context=cfg.readout_context,
+                                         readout_context=cfg.readout_context, num_layers=cfg.drafter_layers,
                                          feature_layers=cfg.feature_layers, feature_rms=rms)
     dcfg.check_target(target.config)
     view = dmod.target_view(target.params, target.config, d2t)
