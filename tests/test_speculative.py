@@ -140,12 +140,13 @@ def test_chain_reuse_runs_fewer_drafter_steps(tiny, drafters):
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 64, size=8).tolist() for _ in range(3)]
     kw = dict(max_new_tokens=32, method="hsd", drafter=drafters["hsd"], tree_nodes=10, tree_depth=5, tree_top_k=3)
-    none = generate(tiny, prompts, reuse="none", **kw)
-    chain = generate(tiny, prompts, reuse="chain", **kw)
-    steps_none = sum(r.stats["drafter_forwards"] for r in none) / sum(r.stats["new_tokens"] for r in none)
-    steps_chain = sum(r.stats["drafter_forwards"] for r in chain) / sum(r.stats["new_tokens"] for r in chain)
-    assert steps_chain < 0.7 * steps_none
-    assert [r.token_ids for r in none] == [r.token_ids for r in chain]
+    runs = {reuse: generate(tiny, prompts, reuse=reuse, **kw) for reuse in ("none", "refresh", "chain")}
+    steps = {reuse: sum(r.stats["drafter_forwards"] for r in res) / sum(r.stats["new_tokens"] for r in res)
+             for reuse, res in runs.items()}
+    assert steps["chain"] < 0.7 * steps["none"]
+    assert steps["chain"] < steps["refresh"] < steps["none"]   # refresh re-runs the depth-2 state, not the rest
+    assert [r.token_ids for r in runs["none"]] == [r.token_ids for r in runs["chain"]] == [
+        r.token_ids for r in runs["refresh"]]
 
 
 def test_a_chain_step_run_for_other_rows_leaves_a_row_that_does_not_need_it_as_it_was(tiny, drafters):

@@ -18,14 +18,20 @@ from hsd_jax.methods.features import feature_drafter
 from hsd_jax.models import drafter
 from hsd_jax.tree import Tree, grow_tree, topk_draft
 
+# `refresh` re-anchors the first two draft depths on the ingested true features and reuses only the
+# deeper stale states: re-anchoring depth 1 alone lost 5.2% tau against `none` at batch 1 (8/4/3,
+# MT-bench), depths 1-2 lose 0.1% for 12% fewer drafter steps (BENCHMARKS.md, reuse at batch 1).
+REFRESH_DEPTHS = 2
+
 
 class State(NamedTuple):
     cache: KVCache      # the drafter layer's KV cache over the committed positions
     chain: jax.Array    # [B, D, d] g_p .. g_{p+D-1}: chain states for the next round's depths
 
 
-def chain_extend(dparams, dcfg, cache: KVCache, chain, start):
-    """Fill chain[:, i+1] for i >= start[b] by feeding chain[:, i] at slot length + i.
+def chain_extend(dparams, dcfg, cache: KVCache, chain, start, fresh=None):
+    """Fill chain[:, i+1] for i >= start[b] (and for i < fresh[b] when given) by feeding chain[:, i]
+    at slot length + i.
 
     The chain is token-free, so this never waits for drafted tokens. Steps no sequence
     needs are skipped (lax.cond), so reuse saves real work; a step run for other sequences
@@ -37,7 +43,7 @@ def chain_extend(dparams, dcfg, cache: KVCache, chain, start):
     steps = jnp.zeros((b,), jnp.int32)
     root_parent = jnp.full((b, 1), -1, jnp.int32)
     for i in range(depth - 1):
-        need = start <= i
+        need = (start <= i) if fresh is None else (start <= i) | (i < fresh)
 
         def step(carry, i=i, need=need):
             chain, cache = carry
@@ -91,8 +97,9 @@ def rebuild_chain(dparams, dcfg, cache: KVCache, chain, acc, feats, aux, live, r
     """After verification: ingest the true features f_p..f_{p+m}, then rebuild the chain.
 
     none: g_{p'} from the ingest, then D-1 chain steps. chain: keep the stale g's for positions
-    after p+m (they never saw a token) and extend by the m+1 consumed. refresh: as chain, but
-    the chain's first state is the fresh g_{p'} from the ingest (free). Returns (cache, chain, steps).
+    after p+m (they never saw a token) and extend by the m+1 consumed. refresh: as chain, but the
+    first REFRESH_DEPTHS states are fresh (g_{p'} from the ingest, then one chain step from it) and
+    only the deeper ones stale. Returns (cache, chain, steps).
     """
     b, depth = chain.shape[:2]
     m = acc.num_accepted
@@ -112,7 +119,8 @@ def rebuild_chain(dparams, dcfg, cache: KVCache, chain, acc, feats, aux, live, r
     start = jnp.where(kept, depth - 2 - m, 0)
     first = fresh if reuse != "chain" else jnp.where(kept[:, None], chain[:, 0], fresh)
     chain = chain.at[:, 0].set(first)
-    chain, cache, steps = chain_extend(dparams, dcfg, cache, chain, jnp.where(live, start, depth))
+    fresh_steps = jnp.where(live & kept, REFRESH_DEPTHS - 1, 0) if reuse == "refresh" else None
+    chain, cache, steps = chain_extend(dparams, dcfg, cache, chain, jnp.where(live, start, depth), fresh_steps)
     return cache, chain, steps + live.astype(jnp.int32)
 
 
