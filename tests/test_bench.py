@@ -18,7 +18,7 @@ def tiny():
 
 def test_bench_schema_and_values(tiny):
     prompts = [[3, 9, 27, 17], [40, 2, 2, 8, 13, 1]]
-    tree = dict(tree_nodes=6, tree_depth=3, tree_top_k=2)
+    tree = dict(tree_nodes=6, tree_depth=4, tree_top_k=2)   # depth 4: refresh reuses the depth-3+ states
     runners = {"ar": make_runner(tiny, "ar", max_new_tokens=16)}
     for name in ("sd", "eagle", "hsd-refresh", "hsd-noreuse"):
         kind = name.split("-")[0]
