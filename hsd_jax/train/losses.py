@@ -115,6 +115,19 @@ def _ce_picks(batch: Batch, key, ce_positions: int):
     return pick, jnp.any(batch.valid, 1, keepdims=True)
 
 
+def _next_features(batch: Batch) -> jax.Array:
+    """f_{q+1} at every position q (the last repeats): what step outputs regress onto."""
+    return jnp.concatenate([batch.features[:, 1:], batch.features[:, -1:]], 1).astype(jnp.float32)
+
+
+def _feature_loss(g, f_next, mask, feature_rms: float):
+    """Smooth-L1 distance of step outputs g from the next features, scaled by the feature RMS,
+    averaged over the masked positions."""
+    m = mask.astype(jnp.float32)
+    feat = optax.huber_loss((g - f_next) / feature_rms, delta=1.0).mean(-1)
+    return (feat * m).sum() / jnp.maximum(m.sum(), 1.0)
+
+
 def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_positions: int,
                  weights: LossWeights = LossWeights()):
     """Smooth-L1 feature regression on all positions plus draft-vocab cross-entropy on
@@ -122,7 +135,7 @@ def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_p
     cross-entropy's label is the data's next token, or with `weights.soft_labels` the target's
     whole distribution over the draft vocabulary (KL up to a constant)."""
     outs = unrolled_features(params, dcfg, view, batch, steps)
-    f_next = jnp.concatenate([batch.features[:, 1:], batch.features[:, -1:]], 1).astype(jnp.float32)
+    f_next = _next_features(batch)
     x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
     labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
     ctx = path_context(batch.tokens, dcfg.readout_context - 1)
@@ -134,8 +147,7 @@ def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_p
     total, metrics = 0.0, {}
     for k, g in enumerate(outs, 1):
         m = _step_mask(batch, k).astype(jnp.float32)
-        feat = optax.huber_loss((g - f_next) / dcfg.feature_rms, delta=1.0).mean(-1)
-        feat = (feat * m).sum() / jnp.maximum(m.sum(), 1.0)
+        feat = _feature_loss(g, f_next, m, dcfg.feature_rms)
         g_sel = jnp.take_along_axis(g, pick[..., None], 1)
         lab = t2d[jnp.take_along_axis(labels, pick, 1)]
         ctx_sel = None if ctx is None else jnp.take_along_axis(ctx, pick[..., None], 1)
@@ -166,7 +178,7 @@ def chain_acceptance(params, dcfg, view, t2d, batch: Batch, steps: int):
     """
     outs = unrolled_features(params, dcfg, view, batch, steps)
     feats = batch.features.astype(jnp.float32)
-    f_next = jnp.concatenate([feats[:, 1:], feats[:, -1:]], 1)
+    f_next = _next_features(batch)
     x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
     labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
     correct, masks, sums = [], [], {k: [] for k in ("bypass_correct", "feature_err", "copy_err")}
@@ -232,8 +244,7 @@ def eagle3_loss(params, cfg, table, t2d, batch: Batch, key, *, steps: int, ce_po
     pick, has_any = _ce_picks(batch, key, ce_positions)
     lab = t2d[jnp.take_along_axis(labels, pick, 1)]
     total, metrics = 0.0, {}
-    if weights.feature:
-        f_next = jnp.concatenate([batch.features[:, 1:], batch.features[:, -1:]], 1).astype(jnp.float32)
+    f_next = _next_features(batch) if weights.feature else None
     for k, h in enumerate(outs, 1):
         m = _step_mask(batch, k)
         logits = eagle3.logits(params, cfg, jnp.take_along_axis(h, pick[..., None], 1))
@@ -244,9 +255,7 @@ def eagle3_loss(params, cfg, table, t2d, batch: Batch, key, *, steps: int, ce_po
         step_loss = weights.ce * ce
         metrics.update({f"ce_{k}": ce, f"acc_{k}": acc})
         if weights.feature:
-            mf = m.astype(jnp.float32)
-            feat = optax.huber_loss((h - f_next) / feature_rms, delta=1.0).mean(-1)
-            feat = (feat * mf).sum() / jnp.maximum(mf.sum(), 1.0)
+            feat = _feature_loss(h, f_next, m, feature_rms)
             step_loss = step_loss + weights.feature * feat
             metrics[f"feat_{k}"] = feat
         total = total + weights.step_decay ** (k - 1) * step_loss
