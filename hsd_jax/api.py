@@ -392,7 +392,8 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
                  "tokens_per_s": n / elapsed if elapsed > 0 else 0.0}
         if spec is not None:
             stats.update(reuse=spec.reuse, tree_nodes=spec.tree_nodes, tree_depth=spec.depth, tree_top_k=spec.tree_top_k,
-                         lookup_slots=spec.lookup_slots)
+                         lookup_slots=spec.lookup_slots, lookup_min_match=spec.lookup_min_match,
+                         lookup_rounds=int(out.stats.lookup_rounds[i]))
         text = target.decode(new) if target.tokenizer is not None else ""
         results.append(GenerationResult(new, text, stats))
     return results

@@ -37,6 +37,7 @@ HSD_REUSE = {"hsd-noreuse": "none", "hsd-refresh": "refresh", "hsd-chain": "chai
 METHOD_NAMES = METHODS + tuple(HSD_REUSE)
 SPEC_OPTIONS = frozenset().union(*(m.options for m in REGISTRY.values()))   # every method's options
 HYBRID_LOOKUP_SLOTS = 4   # "hsd+lookup": a tree method with this many prompt-lookup nodes ("hsd+lookup6": 6)
+# "hsd+lookup6/0": ... verified in every round (`lookup_min_match` 0; default: SpecConfig's)
 
 
 class BenchError(ValueError):
@@ -45,14 +46,17 @@ class BenchError(ValueError):
 
 def method_spec(name: str) -> tuple[str, dict]:
     """(engine method, options) of a bench method name: a method, an hsd reuse variant
-    (`hsd-chain`), or either with prompt-lookup nodes (`hsd+lookup`, `eagle+lookup6`)."""
+    (`hsd-chain`), or either with prompt-lookup nodes (`hsd+lookup`, `eagle+lookup6`), optionally
+    with the shortest lookup match that adds them to a round (`hsd+lookup4/0`: every round)."""
     base, plus, extra = name.partition("+lookup")
     if plus:
         method, opts = method_spec(base)
-        if (extra and not extra.isdigit()) or method not in TREE_METHODS:
-            raise BenchError(f"{name!r}: METHOD+lookup[M] needs a tree method ({', '.join(TREE_METHODS)}) "
-                             "and a whole number M")
-        return method, dict(opts, lookup_slots=int(extra or HYBRID_LOOKUP_SLOTS))
+        slots, slash, least = extra.partition("/")
+        if (slots and not slots.isdigit()) or (slash and not least.isdigit()) or method not in TREE_METHODS:
+            raise BenchError(f"{name!r}: METHOD+lookup[M][/N] needs a tree method ({', '.join(TREE_METHODS)}) "
+                             "and whole numbers M (lookup nodes) and N (shortest lookup match)")
+        opts = dict(opts, lookup_slots=int(slots or HYBRID_LOOKUP_SLOTS))
+        return method, dict(opts, lookup_min_match=int(least)) if slash else opts
     if name not in METHOD_NAMES:
         raise BenchError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")
     if name in HSD_REUSE:
@@ -147,7 +151,8 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
     for name, run in runners.items():
         res = run(batches[0])
         compile_s[name] = res[0].stats["compile_seconds"]
-    per = {name: {"tokens": [], "seconds": [], "outputs": [], "rounds": 0, "dsteps": 0, "hist": []}
+    per = {name: {"tokens": [], "seconds": [], "outputs": [], "rounds": 0, "dsteps": 0, "lookup_rounds": 0,
+                  "hist": []}
            for name in runners}
     bar = tqdm(total=len(batches) * len(runners), desc="bench", unit="run",
                disable=not (progress and distributed.is_primary()))
@@ -162,6 +167,7 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
             rec["outputs"].extend(r.token_ids for r in res)
             rec["rounds"] += sum(r.stats["rounds"] for r in res)
             rec["dsteps"] += sum(r.stats["drafter_forwards"] for r in res)
+            rec["lookup_rounds"] += sum(r.stats.get("lookup_rounds", 0) for r in res)
             for r in res:
                 h = r.stats["accepted_hist"]
                 rec["hist"] = [a + b for a, b in zip(rec["hist"], h)] if rec["hist"] else list(h)
@@ -185,6 +191,7 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
             "new_tokens": new,
             "prompts": len(rec["outputs"]),
             "rounds": rec["rounds"],
+            "lookup_rounds": rec["lookup_rounds"],
             "compile_seconds": round(compile_s[name], 2),
             "options": getattr(runners[name], "options", {}),
         }

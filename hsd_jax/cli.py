@@ -53,6 +53,9 @@ def _add_tree_args(p):
     p.add_argument("--gamma", type=int, default=None, help=f"sd: draft chain length (default {SpecConfig.gamma})")
     p.add_argument("--lookup-slots", type=int, default=None, metavar="M",
                    help="tree methods: add M prompt-lookup nodes to each round's tree (default 0)")
+    p.add_argument("--lookup-min-match", type=int, default=None, metavar="N",
+                   help="with --lookup-slots: add the lookup nodes only in rounds whose lookup match is at least "
+                        f"N tokens long, 0 = every round (default {SpecConfig.lookup_min_match})")
     p.add_argument("--tuned", action="store_true",
                    help="use the tree (and hsd reuse) `hsd tune` chose for this hardware, model and drafter; "
                         "explicit tree flags still win")
@@ -62,7 +65,8 @@ def _spec_options(a, method: str) -> dict:
     """The speculative options given on the command line, checked now (before any model loads)
     by the same `SpecConfig` that `generate` builds."""
     given = {"tree_nodes": a.tree_nodes, "tree_depth": a.tree_depth, "tree_top_k": a.top_k, "gamma": a.gamma,
-             "lookup_slots": a.lookup_slots, "reuse": getattr(a, "reuse", None)}
+             "lookup_slots": a.lookup_slots, "lookup_min_match": a.lookup_min_match,
+             "reuse": getattr(a, "reuse", None)}
     opts = {k: v for k, v in given.items() if v is not None}
     if method != "ar":
         SpecConfig(method=method, **opts)

@@ -104,7 +104,11 @@ REUSE_POLICIES = ("none", "chain", "refresh")
 class SpecConfig:
     """Static shape of a speculative round. `tree_nodes` counts draft nodes (the root excluded);
     tree methods read tree_*, chain methods (sd) gamma; reuse is HSD's. `lookup_slots` M > 0
-    adds M prompt-lookup nodes to a tree method's tree, verified in the same forward."""
+    adds M prompt-lookup nodes to a tree method's tree, verified in the same forward, in the
+    rounds where some sequence's lookup match is at least `lookup_min_match` tokens long (0: every
+    round); the other rounds verify the method's own tree alone, M rows fewer. A one-token match
+    rarely proposes an accepted token and no match never does, so those rounds save the rows
+    (BENCHMARKS.md, prompt lookup in the draft tree)."""
 
     method: str = "hsd"
     reuse: str = "none"   # measured: none >= refresh in tau everywhere, refresh saves drafter steps (BENCHMARKS.md)
@@ -113,6 +117,7 @@ class SpecConfig:
     tree_top_k: int = 3
     gamma: int = 4
     lookup_slots: int = 0
+    lookup_min_match: int = 2
     head_screen: bool = True   # T = 0 on the CPU: certified bf16 screen for the verify argmax (llama.serving_argmax)
 
     def __post_init__(self):
@@ -132,6 +137,10 @@ class SpecConfig:
                 raise ConfigError(f"tree_nodes {self.tree_nodes} cannot reach depth {self.tree_depth}")
         if self.lookup_slots < 0:
             raise ConfigError(f"lookup_slots must be >= 0, got {self.lookup_slots}")
+        most_match = methods.lookup.LookupConfig().max_ngram
+        if not 0 <= self.lookup_min_match <= most_match:
+            raise ConfigError(f"lookup_min_match must be in 0..{most_match} (the longest n-gram lookup "
+                              f"matches), got {self.lookup_min_match}")
         if self.lookup_slots and not self.drafts_tree:
             raise ConfigError(f"lookup_slots adds prompt-lookup nodes to a draft tree; method {self.method!r} "
                               "drafts a chain")
@@ -169,6 +178,7 @@ class SpecStats(NamedTuple):
     rounds: jax.Array            # [B] verify forwards
     accepted_hist: jax.Array     # [B, D+1] rounds by number of accepted draft tokens
     drafter_steps: jax.Array     # [B] sequential drafter forwards (ingest calls and chain/tree steps)
+    lookup_rounds: jax.Array     # [B] rounds that verified the prompt-lookup nodes (`lookup_slots`)
 
 
 class SpecOutput(NamedTuple):
@@ -206,6 +216,14 @@ def target_verdict(tparams, tcfg: ModelConfig, tree: Tree, features, key, sampli
     return accept(tree, llama.serving_logits(tparams, tcfg, features), key, sampling, chain)
 
 
+def padded_verdict(vout: llama.ForwardOutput, acc: Accepted, m: int) -> tuple[llama.ForwardOutput, Accepted]:
+    """A verify of a tree whose union with `m` more slots was not verified, shaped as the union's:
+    the extra slots' features zero, the path -1 past the smaller tree's depth."""
+    pad = lambda x, axis: jnp.concatenate([x, jnp.zeros(x.shape[:axis] + (m,) + x.shape[axis + 1:], x.dtype)], axis)
+    vout = vout._replace(features=pad(vout.features, 1), aux_features=pad(vout.aux_features, 2))
+    return vout, acc._replace(path=jnp.concatenate([acc.path, jnp.full(acc.path.shape[:1] + (m,), -1, acc.path.dtype)], 1))
+
+
 def commit(cache: KVCache, acc: Accepted, live) -> KVCache:
     """Move the accepted path's K/V (root included) right after the committed prefix."""
     return compact(cache, acc.path, jnp.where(live, acc.num_accepted + 1, 0))
@@ -227,23 +245,36 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
     view = drafter.target_view(tparams, tcfg, d2t) if method.drafter.has_draft_vocab else None
     rnd = methods.Round(tparams, tcfg, dparams, dcfg, d2t, spec, sampling, prompt_tokens, prompt_lens, capacity, view)
     dstate = method.init(rnd, out, root)
-    screen = llama.head_screen(tparams, tcfg, b * spec.verify_slots) if spec.head_screen and sampling.greedy else None
+    screens = {n: llama.head_screen(tparams, tcfg, b * n) if spec.head_screen and sampling.greedy else None
+               for n in {spec.slots, spec.verify_slots}}
 
     tokens = jnp.full((b, max_new_tokens + depth + 1), -1, jnp.int32).at[:, 0].set(root)
     count = jnp.ones((b,), jnp.int32)
     done = is_eos(root, tcfg.eos_token_ids) | (max_new_tokens <= 1)
     zeros = jnp.zeros((b,), jnp.int32)
-    stats = SpecStats(zeros, jnp.zeros((b, depth + 1), jnp.int32), zeros)
+    stats = SpecStats(zeros, jnp.zeros((b, depth + 1), jnp.int32), zeros, zeros)
 
     def body(s: SpecLoop) -> SpecLoop:
         live = ~s.done
         key, k_draft, k_acc = jax.random.split(s.key, 3)
         history = methods.History(s.tokens, s.count)
         draft = method.draft(rnd, s.dstate, s.root, history, k_draft)
-        if spec.lookup_slots:
-            draft = draft._replace(tree=methods.lookup.attach(rnd, draft.tree, history, spec.lookup_slots))
-        vout = verify_tree(tparams, tcfg, s.tcache, draft.tree)
-        acc = target_verdict(tparams, tcfg, draft.tree, vout.features, k_acc, sampling, draft.chain, screen)
+
+        def verify(tree):
+            vout = verify_tree(tparams, tcfg, s.tcache, tree)
+            acc = target_verdict(tparams, tcfg, tree, vout.features, k_acc, sampling, draft.chain,
+                                 screens[tree.num_slots])
+            return vout, acc
+
+        if spec.lookup_slots:   # the union when some live sequence's lookup match is long enough, else the own tree
+            union, matched = methods.lookup.attach(rnd, draft.tree, history, spec.lookup_slots)
+            wide = jnp.any(live & (matched >= spec.lookup_min_match))
+            vout, acc = jax.lax.cond(wide, lambda: verify(union),
+                                     lambda: padded_verdict(*verify(draft.tree), spec.lookup_slots))
+            draft = draft._replace(tree=union)   # slots of the own tree keep their index in the union
+        else:
+            vout, acc = verify(draft.tree)
+            wide = False
         tcache = commit(vout.cache, acc, live)
         dstate, more = method.update(rnd, draft.state, draft, acc, vout, live)
         new = emitted_tokens(draft.tree, acc)
@@ -257,7 +288,7 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
         done = s.done | (eos_at <= depth) | (count >= max_new_tokens)
         st = s.stats
         stats = SpecStats(st.rounds + live, st.accepted_hist.at[jnp.arange(b), acc.num_accepted].add(live),
-                          st.drafter_steps + jnp.where(live, draft.steps + more, 0))
+                          st.drafter_steps + jnp.where(live, draft.steps + more, 0), st.lookup_rounds + (live & wide))
         return SpecLoop(tcache, dstate, jnp.where(live, acc.token, s.root), tokens, count, done, key, stats)
 
     s = jax.lax.while_loop(lambda s: jnp.any(~s.done), body,

@@ -90,7 +90,9 @@ def test_hybrid_method_names_carry_lookup_slots():
     assert method_spec("hsd+lookup") == ("hsd", {"lookup_slots": 4})
     assert method_spec("hsd-chain+lookup6") == ("hsd", {"reuse": "chain", "lookup_slots": 6})
     assert method_spec("eagle+lookup2") == ("eagle", {"lookup_slots": 2})
-    for bad in ("sd+lookup", "lookup+lookup", "hsd+lookupx", "ar+lookup"):
+    assert method_spec("hsd+lookup6/0") == ("hsd", {"lookup_slots": 6, "lookup_min_match": 0})
+    assert method_spec("hsd+lookup/3") == ("hsd", {"lookup_slots": 4, "lookup_min_match": 3})
+    for bad in ("sd+lookup", "lookup+lookup", "hsd+lookupx", "ar+lookup", "hsd+lookup4/", "hsd+lookup4/x"):
         with pytest.raises(BenchError, match="tree method"):
             method_spec(bad)
     tgt = tiny_target(vocab=64)

@@ -68,6 +68,7 @@ def test_bad_config_values_are_refused():
      "exceeds the 6 candidates"),
     (["--prompt", "hi", "--method", "sd", "--lookup-slots", "2"], "drafts a chain"),
     (["--prompt", "hi", "--method", "hsd", "--lookup-slots", "-1"], "lookup_slots must be >= 0"),
+    (["--prompt", "hi", "--method", "hsd", "--lookup-slots", "2", "--lookup-min-match", "5"], "lookup_min_match must be in 0..3"),
     (["--prompt", "hi", "--drafter", "."], "need a speculative --method"),
     (["--prompt", "hi", "--model", "no-such-model"], "unknown model"),
     (["--prompt", "hi", "--mesh", "2"], "DATAxMODEL"),

@@ -10,7 +10,8 @@ from tests.helpers import bigram_target
 
 
 def _reference(seq, k, max_n, min_n):
-    """The k tokens after the latest earlier occurrence of the longest matching suffix n-gram."""
+    """The k tokens after the latest earlier occurrence of the longest matching suffix n-gram,
+    how many are real, and the n-gram's length (0: no match)."""
     for n in range(max_n, min_n - 1, -1):
         if len(seq) <= n:
             continue
@@ -18,8 +19,8 @@ def _reference(seq, k, max_n, min_n):
         for end in range(len(seq) - 2, n - 2, -1):
             if seq[end - n + 1: end + 1] == suffix:
                 cont = seq[end + 1: end + 1 + k]
-                return cont + [seq[-1]] * (k - len(cont)), len(cont)
-    return [seq[-1]] * k, 0
+                return cont + [seq[-1]] * (k - len(cont)), len(cont), n
+    return [seq[-1]] * k, 0, 0
 
 
 @pytest.mark.parametrize("max_n, min_n", [(3, 1), (2, 2), (4, 2)])
@@ -30,11 +31,11 @@ def test_vectorised_search_matches_a_python_scan(max_n, min_n):
     buf = np.zeros((len(seqs), cap), np.int32)
     for i, s in enumerate(seqs):
         buf[i, : len(s)] = s
-    toks, real = lookup_chain(jnp.asarray(buf), jnp.asarray([len(s) for s in seqs]), 5, max_n, min_n)
+    toks, real, matched = lookup_chain(jnp.asarray(buf), jnp.asarray([len(s) for s in seqs]), 5, max_n, min_n)
     for i, s in enumerate(seqs):
-        want, n_real = _reference(s, 5, max_n, min_n)
+        want, n_real, n = _reference(s, 5, max_n, min_n)
         assert np.asarray(toks[i]).tolist() == want, (i, s)
-        assert int(real[i]) == n_real
+        assert int(real[i]) == n_real and int(matched[i]) == n
 
 
 def test_committed_sequence_joins_prompt_and_generated_tokens():
@@ -78,7 +79,35 @@ def test_lookup_slots_join_a_learned_tree_losslessly_and_accept_more_on_copy_hea
         for a, h in zip(alone, hybrid):
             assert h.stats["lookup_slots"] == 4 and len(h.stats["accepted_hist"]) == 2 + 4 + 1
             assert h.stats["tau"] > 2.5 > a.stats["tau"], (kind, a.stats["tau"], h.stats["tau"])
+            assert 0 < h.stats["lookup_rounds"] < h.stats["rounds"]   # the first rounds had no 2-token match
             assert h.stats["drafter_forwards"] <= a.stats["drafter_forwards"]
     with pytest.raises(ConfigError, match="drafts a chain"):
         generate(tgt, prompts, max_new_tokens=4, method="sd", drafter=load_drafter("sd", target=tgt, random_init=True),
                  lookup_slots=2)
+
+
+def test_lookup_nodes_join_the_rounds_whose_match_is_long_enough():
+    """`lookup_min_match` N: a round verifies the lookup nodes only when some live sequence's
+    match is at least N tokens long; output identical to ar for every N; a batch verifies them
+    when any of its sequences needs them."""
+    tgt = bigram_target()
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 64, size=12).tolist(), [7]]
+    ref = [r.token_ids for r in generate(tgt, prompts, max_new_tokens=40)]
+    d = load_drafter("hsd", target=tgt, random_init=True, seed=4)
+    shape = dict(tree_nodes=3, tree_depth=2, tree_top_k=2, lookup_slots=3)
+    runs = {n: generate(tgt, prompts, max_new_tokens=40, method="hsd", drafter=d, lookup_min_match=n, **shape)
+            for n in (0, 1, 3)}
+    one = {n: generate(tgt, prompts[1:], max_new_tokens=40, method="hsd", drafter=d, lookup_min_match=n, **shape)[0]
+           for n in (0, 3)}
+    for n, res in runs.items():
+        assert [r.token_ids for r in res] == ref, n
+    every, some, longest = ([r.stats["lookup_rounds"] / r.stats["rounds"] for r in runs[n]] for n in (0, 1, 3))
+    assert every == [1.0, 1.0]
+    assert all(0 < x < 1 for x in longest) and all(a >= b for a, b in zip(some, longest))
+    assert one[0].stats["lookup_rounds"] == one[0].stats["rounds"]
+    assert one[3].stats["lookup_rounds"] < one[3].stats["rounds"]
+    # alone, the one-token prompt waits longer for a 3-token match than when batched with the long prompt
+    assert one[3].stats["lookup_rounds"] / one[3].stats["rounds"] <= longest[1]
+    with pytest.raises(ConfigError, match="lookup_min_match"):
+        generate(tgt, prompts, max_new_tokens=8, method="hsd", drafter=d, lookup_min_match=4, **shape)

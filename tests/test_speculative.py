@@ -13,7 +13,7 @@ from tests.helpers import bigram_target, jax_logits, tiny_target, zero_layers
 
 METHODS = [("hsd", dict(reuse="none")), ("hsd", dict(reuse="chain")), ("hsd", dict(reuse="refresh")),
            ("eagle", {}), ("eagle3", {}), ("sd", {}), ("ngram", {}), ("lookup", {})]
-HYBRID = [("hsd", dict(lookup_slots=3)), ("eagle", dict(lookup_slots=2))]   # + prompt-lookup nodes
+HYBRID = [("hsd", dict(lookup_slots=3)), ("eagle", dict(lookup_slots=2, lookup_min_match=0))]   # + prompt-lookup nodes
 
 
 def _chain(method):
@@ -205,6 +205,8 @@ CHI2_CRIT_7DOF = 24.32  # p = 1e-3 for 7 degrees of freedom (vocab 8)
 def test_sampling_preserves_target_distribution(method, opts):
     tgt = tiny_target(vocab=8, hidden=16, heads=2, kv_heads=1, seed=4, max_cache_len=64)
     prompt, n_samples, n_pos, temp = [1, 5, 2], 3000, 3, 1.0
+    if opts.get("lookup_slots"):
+        prompt = prompt + [1, 5]   # a 2-token lookup match in the first round, none in some later ones
     exact = _exact_marginals(tgt, prompt, n_pos, temp)
     dr = None if method == "ar" else load_drafter(method, target=tgt, random_init=True, seed=2)
     shape = dict(gamma=2) if _chain(method) else dict(tree_nodes=5, tree_depth=2, tree_top_k=3)
@@ -212,6 +214,9 @@ def test_sampling_preserves_target_distribution(method, opts):
                    method=method, drafter=dr, **({} if method == "ar" else dict(opts, **shape)))
     toks = np.array([r.token_ids for r in res])
     assert toks.shape == (n_samples, n_pos)
+    if opts.get("lookup_slots"):   # rounds with and without the lookup nodes, unless asked for in every round
+        share = sum(r.stats["lookup_rounds"] for r in res) / sum(r.stats["rounds"] for r in res)
+        assert share == 1.0 if opts.get("lookup_min_match") == 0 else 0 < share < 1, share
     for pos in range(n_pos):
         observed = np.bincount(toks[:, pos], minlength=8)
         expected = exact[pos] * n_samples

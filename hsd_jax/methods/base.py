@@ -101,5 +101,6 @@ class Method:
     @property
     def options(self) -> frozenset:
         """The speculative options (SpecConfig fields) this method reads."""
-        shape = {"tree_nodes", "tree_depth", "tree_top_k", "lookup_slots"} if self.drafts == "tree" else {"gamma"}
+        tree = {"tree_nodes", "tree_depth", "tree_top_k", "lookup_slots", "lookup_min_match"}
+        shape = tree if self.drafts == "tree" else {"gamma"}
         return frozenset(shape | ({"reuse"} if self.reuse else set()))

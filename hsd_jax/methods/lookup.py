@@ -47,23 +47,26 @@ def committed_sequence(prompt_tokens, prompt_lens, tokens, count):
 
 
 def lookup_chain(seq, length, k: int, max_ngram: int, min_ngram: int):
-    """The k tokens after the most recent earlier match of the last n tokens, n = max..min, and
-    how many of them are real (continuations reach at most the last committed token)."""
+    """The k tokens after the most recent earlier match of the last n tokens, n = max..min, how
+    many of them are real (continuations reach at most the last committed token), and the match's
+    length n [B] (0: none)."""
     b, cap = seq.shape
     e = jnp.arange(cap)[None, :]                      # candidate match end
     best = jnp.full((b,), -1, jnp.int32)
+    matched = jnp.zeros((b,), jnp.int32)
     for n in range(max_ngram, min_ngram - 1, -1):
         ok = (e >= n - 1) & (e < length[:, None] - 1)
         for i in range(n):
             suffix = jnp.take_along_axis(seq, jnp.maximum(length - 1 - i, 0)[:, None], 1)
             ok = ok & (jnp.take_along_axis(seq, jnp.maximum(e - i, 0), 1) == suffix) & (length[:, None] > n)
         last = jnp.max(jnp.where(ok, e, -1), 1).astype(jnp.int32)
+        matched = jnp.where((best < 0) & (last >= 0), n, matched)
         best = jnp.where(best >= 0, best, last)
     pos = best[:, None] + 1 + jnp.arange(k)[None, :]
     real = (best[:, None] >= 0) & (pos < length[:, None])
     root = jnp.take_along_axis(seq, (length - 1)[:, None], 1)
     toks = jnp.where(real, jnp.take_along_axis(seq, jnp.clip(pos, 0, cap - 1), 1), root)
-    return toks.astype(jnp.int32), real.sum(1)
+    return toks.astype(jnp.int32), real.sum(1), matched
 
 
 def init(rnd, prefill_out, root) -> State:
@@ -73,19 +76,20 @@ def init(rnd, prefill_out, root) -> State:
 def draft(rnd, state: State, root, history, key) -> Draft:
     seq, length = committed_sequence(rnd.prompt_tokens, rnd.prompt_lens.astype(jnp.int32), history.tokens,
                                      history.count)
-    toks, _ = lookup_chain(seq, length, rnd.spec.gamma, rnd.dcfg.max_ngram, rnd.dcfg.min_ngram)
+    toks, _, _ = lookup_chain(seq, length, rnd.spec.gamma, rnd.dcfg.max_ngram, rnd.dcfg.min_ngram)
     return Draft(chain_tree(toks, root), state, jnp.zeros((rnd.batch,), jnp.int32))
 
 
-def attach(rnd, tree: Tree, history, m: int) -> Tree:
+def attach(rnd, tree: Tree, history, m: int) -> tuple[Tree, jnp.ndarray]:
     """Another method's tree with `m` lookup nodes merged in (`SpecConfig.lookup_slots`): the
     lookup continuation with the default n-grams, hung below the tree's node that spells its
-    prefix. Deterministic drafts, so the tree acceptance rule stays exactly lossless."""
+    prefix, and the match's length [B] that proposed it (0: none). Deterministic drafts, so the
+    tree acceptance rule stays exactly lossless."""
     seq, length = committed_sequence(rnd.prompt_tokens, rnd.prompt_lens.astype(jnp.int32), history.tokens,
                                      history.count)
     cfg = LookupConfig()
-    toks, _ = lookup_chain(seq, length, tree.max_depth + m, cfg.max_ngram, cfg.min_ngram)
-    return attach_chain(tree, toks, m)
+    toks, _, matched = lookup_chain(seq, length, tree.max_depth + m, cfg.max_ngram, cfg.min_ngram)
+    return attach_chain(tree, toks, m), matched
 
 
 def update(rnd, state: State, drft: Draft, acc, vout, live):
