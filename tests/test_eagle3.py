@@ -289,3 +289,38 @@ def test_training_time_test_unroll_matches_the_engine_tree_steps(target):
                 hid = got[:, -1:]
             np.testing.assert_allclose(np.asarray(hid[0, 0]), np.asarray(outs[k - 1][0, q]), rtol=1e-4, atol=1e-4,
                                        err_msg=f"step {k} at {q}")
+
+
+def test_fused_readout_ablation_reads_the_token_serves_losslessly_and_has_no_published_format(target, tmp_path):
+    """`readout: fused` (EAGLE-1's read-out MLP over [h; e(x)], the token-path ablation): starts as
+    the plain read-out (zero output layer), then depends on the token; the engine stays lossless;
+    export to the published format is refused."""
+    import jax
+    import jax.numpy as jnp
+
+    from hsd_jax.config import ConfigError
+    from hsd_jax.models import eagle3
+    from hsd_jax.train.trainer import TrainConfig
+
+    d = load_drafter("eagle3", target=target, random_init=True, seed=5, readout="fused", readout_scale=3.0)
+    assert d.config.readout == "fused" and not np.any(np.asarray(d.params["inject"]["w2"]))
+    plain_cfg = eagle3.Eagle3Config.for_target(target.config, draft_vocab_size=d.config.vd)
+    h = jax.random.normal(jax.random.key(0), (4, H))
+    emb = jnp.take(target.params["embed_tokens"]["embedding"], jnp.arange(4), axis=0)
+    np.testing.assert_allclose(eagle3.logits(d.params, d.config, h, emb), eagle3.logits(d.params, plain_cfg, h),
+                               rtol=1e-6)
+    d.params["inject"]["w2"] = 0.1 * jax.random.normal(jax.random.key(1), d.params["inject"]["w2"].shape)
+    moved = eagle3.logits(d.params, d.config, h, emb)
+    assert not np.allclose(moved, eagle3.logits(d.params, d.config, h, emb[::-1]))   # the token matters
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, VOCAB, size=int(n)).tolist() for n in (5, 11)]
+    ref = [r.token_ids for r in generate(target, prompts, max_new_tokens=16)]
+    res = generate(target, prompts, max_new_tokens=16, method="eagle3", drafter=d, tree_nodes=6, tree_depth=3,
+                   tree_top_k=2)
+    assert [r.token_ids for r in res] == ref
+    with pytest.raises(ConfigError, match="no published format"):
+        eagle3.export_published(d.params, d.config, d.d2t, str(tmp_path / "out"))
+    assert TrainConfig(kind="eagle3", data_dir="d", out_dir="o").readout == "plain"
+    assert TrainConfig(kind="eagle", data_dir="d", out_dir="o").readout == "fused"
+    with pytest.raises(ConfigError, match="readout must be"):
+        TrainConfig(kind="eagle3", data_dir="d", out_dir="o", readout="mlp")

@@ -22,7 +22,8 @@ def ops(dp, dc, view) -> Ops:
     def step(hidden, tokens, pos, cache, parents):
         return model.layer(dp, dc, hidden, jnp.take(table, tokens, axis=0), pos, cache, parents)
 
-    return Ops(step, lambda h, tokens: model.logits(dp, dc, h), lambda out: model.fuse(dp, out.aux_features),
+    return Ops(step, lambda h, tokens: model.logits(dp, dc, h, jnp.take(table, tokens, axis=0)),
+               lambda out: model.fuse(dp, out.aux_features),
                dc.cache_shape)
 
 

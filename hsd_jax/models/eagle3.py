@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsd_jax.cache import KVCache, write_layer
-from hsd_jax.config import ModelConfig, RopeScaling, _require
+from hsd_jax.config import ConfigError, ModelConfig, RopeScaling, _require
 from hsd_jax.loading.errors import ModelLoadError
 from hsd_jax.models.layers import apply_rope, rms_norm, rope_inv_freq
 
@@ -48,6 +48,9 @@ class Eagle3Config:
     rope_scaling: RopeScaling = RopeScaling()
     rms_norm_eps: float = 1e-5
     own_embedding: bool = False          # the checkpoint carries embed_tokens (else the target's)
+    readout: str = "plain"               # "fused": EAGLE-1's read-out MLP over [h; e(x_{q+1})] before the head
+    #                                      (an ablation of the token path, outside the published format)
+    readout_scale: float = 1.0           # scale of the fused read-out's term (the target features' RMS)
 
     def __post_init__(self):
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size",
@@ -59,6 +62,8 @@ class Eagle3Config:
                  f"eagle3 draft_vocab_size {self.draft_vocab_size} exceeds the vocabulary {self.vocab_size}")
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
         _require(len(self.feature_layers) == 3, f"eagle3 fuses 3 target layers, got {self.feature_layers}")
+        _require(self.readout in ("plain", "fused"), f"eagle3 readout must be 'plain' or 'fused', got {self.readout!r}")
+        _require(self.readout_scale > 0, f"eagle3 readout_scale must be > 0, got {self.readout_scale}")
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
@@ -115,7 +120,12 @@ def init_params(cfg: Eagle3Config, key: jax.Array, std: float = 0.05) -> dict:
     mid = {k: ones() for k in LAYER_KEYS}
     mid.update({k: w[k] for k in ("q_proj", "k_proj", "v_proj", "o_proj")})
     mid["mlp"] = {k: w[k] for k in ("gate_proj", "up_proj", "down_proj")}
-    return {"fc": w["fc"], "midlayer": mid, "norm": ones(), "lm_head": w["lm_head"]}
+    params = {"fc": w["fc"], "midlayer": mid, "norm": ones(), "lm_head": w["lm_head"]}
+    if cfg.readout == "fused":   # zero output layer: starts as the plain read-out
+        k = jax.random.fold_in(key, 1)
+        params["inject"] = {"w1": 0.02 * jax.random.normal(k, (2 * h, 2 * h)), "b1": jnp.zeros((2 * h,)),
+                            "w2": jnp.zeros((2 * h, h))}
+    return params
 
 
 def fuse(params: dict, aux: jax.Array) -> jax.Array:
@@ -165,8 +175,16 @@ def layer(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, po
     return finish(params, cfg, hidden, attn), cache.replace(k=ck, v=cv)
 
 
-def logits(params: dict, cfg: Eagle3Config, h: jax.Array) -> jax.Array:
-    """Draft-vocabulary logits [..., V_d] of the token after the one h was computed with."""
+def logits(params: dict, cfg: Eagle3Config, h: jax.Array, emb: jax.Array | None = None) -> jax.Array:
+    """Draft-vocabulary logits [..., V_d] of the token after the one h was computed with (whose
+    embedding `emb` [..., H] the fused read-out also reads)."""
+    if cfg.readout == "fused":
+        from hsd_jax.models.drafter import _unit_rms
+
+        p = params["inject"]
+        hf = h.astype(jnp.float32)
+        hid = jax.nn.silu(jnp.concatenate([_unit_rms(hf), _unit_rms(emb)], -1) @ p["w1"] + p["b1"])
+        h = hf + cfg.readout_scale * (hid @ p["w2"])
     y = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps).astype(jnp.float32)
     return y @ params["lm_head"]["kernel"].astype(jnp.float32)
 
@@ -273,6 +291,8 @@ def export_published(params: dict, cfg: Eagle3Config, d2t, path: str, dtype: str
 
     from hsd_jax.distributed import is_primary
 
+    if cfg.readout != "plain":
+        raise ConfigError(f"an eagle3 drafter with the {cfg.readout!r} read-out (an ablation) has no published format")
     np_dtype = {"float32": np.float32, "float16": np.float16}[dtype]
     host = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), params)
     mid = host["midlayer"]

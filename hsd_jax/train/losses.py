@@ -211,6 +211,12 @@ def _acceptance_sums(batch: Batch, correct: list, masks: list) -> dict:
             "accepted": (acc_len * start_ok).sum(), "chains": start_ok.sum()}
 
 
+def _eagle3_next_embeddings(table, batch: Batch) -> jax.Array:
+    """e(x_{q+1}) [B, W, H]: the token every unroll step at q reads (and a fused read-out with it)."""
+    x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
+    return jnp.take(table, x_next, axis=0).astype(jnp.float32)
+
+
 def unrolled_eagle3(params, cfg, table, batch: Batch, steps: int) -> list[jax.Array]:
     """EAGLE-3's training-time test: outputs H^(k) [B, W, H] for k = 1..steps. Step 1 reads the fused
     target features fc([low; mid; high]) at q, step k the drafter's own step-(k-1) output at q-1,
@@ -219,8 +225,7 @@ def unrolled_eagle3(params, cfg, table, batch: Batch, steps: int) -> list[jax.Ar
 
     b, w = batch.tokens.shape
     pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-    x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
-    emb = jnp.take(table, x_next, axis=0).astype(jnp.float32)
+    emb = _eagle3_next_embeddings(table, batch)
     hidden = h0 = eagle3.fuse(params, jnp.moveaxis(batch.aux, 2, 0).astype(jnp.float32))
     ks, vs, outs = [], [], []
     for k in range(1, steps + 1):
@@ -242,12 +247,13 @@ def eagle3_loss(params, cfg, table, t2d, batch: Batch, key, *, steps: int, ce_po
     outs = unrolled_eagle3(params, cfg, table, batch, steps)
     labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
     pick, has_any = _ce_picks(batch, key, ce_positions)
+    emb_at_pick = jnp.take_along_axis(_eagle3_next_embeddings(table, batch), pick[..., None], 1)
     lab = t2d[jnp.take_along_axis(labels, pick, 1)]
     total, metrics = 0.0, {}
     f_next = _next_features(batch) if weights.feature else None
     for k, h in enumerate(outs, 1):
         m = _step_mask(batch, k)
-        logits = eagle3.logits(params, cfg, jnp.take_along_axis(h, pick[..., None], 1))
+        logits = eagle3.logits(params, cfg, jnp.take_along_axis(h, pick[..., None], 1), emb_at_pick)
         mask = jnp.take_along_axis(m, pick, 1) & has_any & (lab >= 0)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(lab, 0))
         ce = (ce * mask).sum() / jnp.maximum(mask.sum(), 1)
@@ -269,7 +275,8 @@ def eagle3_acceptance(params, cfg, table, d2t, batch: Batch, steps: int) -> dict
 
     outs = unrolled_eagle3(params, cfg, table, batch, steps)
     labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
-    correct = [jnp.take(d2t, jnp.argmax(eagle3.logits(params, cfg, h), -1)) == labels for h in outs]
+    emb = _eagle3_next_embeddings(table, batch)
+    correct = [jnp.take(d2t, jnp.argmax(eagle3.logits(params, cfg, h, emb), -1)) == labels for h in outs]
     return _acceptance_sums(batch, correct, [_step_mask(batch, k) for k in range(1, steps + 1)])
 
 

@@ -49,7 +49,8 @@ class TrainConfig:
     soft_labels: bool = False  # token loss against the target's draft-vocab distribution, not the data's token
     draft_vocab_size: int = 8192
     injection: str = "fused"
-    readout: str = "fused"
+    readout: str | None = None  # eagle: plain or fused (default); eagle3: plain (default, the published
+    #                             format) or fused (EAGLE-1's read-out MLP over [h; e(x)]: an ablation)
     readout_context: int = 1  # path tokens the fused read-out sees (hsd: 1 = the current token only)
     drafter_layers: int = 1  # hsd / eagle: decoder layers in the drafter (the chain's recurrence)
     feature_layers: tuple = ()  # hsd / eagle3: target layers whose outputs the drafter fuses (FC) as its input
@@ -103,6 +104,10 @@ class TrainConfig:
         if self.ce_weight < 0 or self.feature_weight < 0 or self.ce_weight + self.feature_weight == 0:
             raise ConfigError(f"ce_weight and feature_weight must be >= 0 and not both 0, got "
                               f"{self.ce_weight} and {self.feature_weight}")
+        if self.readout is None:
+            object.__setattr__(self, "readout", "plain" if self.kind == "eagle3" else "fused")
+        if self.readout not in ("plain", "fused"):
+            raise ConfigError(f"readout must be 'plain' or 'fused', got {self.readout!r}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise ConfigError("warmup_steps and weight_decay must be >= 0 and grad_clip > 0")
         if self.init_from and not os.path.isfile(os.path.join(self.init_from, "drafter.json")):
@@ -327,7 +332,8 @@ def _eagle3_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     init = _init_drafter(cfg, target)
     d2t, rms = run_vocab(cfg, target, data, init)
     t2d = target_to_draft(d2t, target.config.vocab_size)
-    dcfg = eagle3.Eagle3Config.for_target(target.config, draft_vocab_size=len(d2t), feature_layers=cfg.feature_layers)
+    dcfg = eagle3.Eagle3Config.for_target(target.config, draft_vocab_size=len(d2t), feature_layers=cfg.feature_layers,
+                                          readout=cfg.readout, readout_scale=rms if cfg.readout == "fused" else 1.0)
     dcfg.check_target(target.config)
 
     def loss(params, batch, key, consts):
