@@ -107,6 +107,8 @@ def test_tiny_models_compile_fast_and_large_ones_with_xla_defaults(tiny):
     assert api.compile_options(tiny.params) == api.FAST_COMPILE_OPTIONS
     big = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
     assert api.compile_options(big) == {}
+    wide_vocab = {"embed_tokens": {"embedding": jax.ShapeDtypeStruct((49152, 96), jnp.float32)}, "layers": {}}
+    assert api.compile_options(wide_vocab) == api.FAST_COMPILE_OPTIONS   # the decoder's size decides
     # the fast options really reach XLA: the same loop compiled both ways gives the same tokens
     prompts = [[3, 9, 27], [5]]
     fast = generate(tiny, prompts, max_new_tokens=12)
