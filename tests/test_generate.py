@@ -121,3 +121,19 @@ def test_tiny_models_compile_fast_and_large_ones_with_xla_defaults(tiny):
         api.SMALL_PROGRAM_PARAMS = saved
     assert [r.token_ids for r in fast] == [r.token_ids for r in slow]
     assert slow[0].stats["compile_seconds"] > 0
+
+
+def test_initialisers_run_as_one_program_with_the_eager_bits():
+    """`init_program`: a random initialiser compiled once (also nested in another's program) gives
+    what running it op by op gives, up to float rounding (XLA fuses the scaling differently)."""
+    from hsd_jax.config import ModelConfig
+    from hsd_jax.models import drafter, llama
+
+    cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    dcfg = drafter.DrafterConfig.for_target("hsd", cfg)
+    key = jax.random.key(7)
+    for fn, args in ((llama.init_params, (cfg, key, 0.3)), (drafter.init_drafter_params, (dcfg, key))):
+        jitted, eager = fn(*args), fn.__wrapped__(*args)
+        assert jax.tree.structure(jitted) == jax.tree.structure(eager)
+        for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

@@ -22,7 +22,7 @@ import numpy as np
 
 from hsd_jax.config import ModelConfig, _require
 from hsd_jax.models import llama
-from hsd_jax.models.layers import rms_norm
+from hsd_jax.models.layers import init_program, rms_norm
 
 KINDS = ("hsd", "eagle")
 INJECTIONS = ("fused", "additive")
@@ -133,6 +133,7 @@ def _unit_rms(x):
     return xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)
 
 
+@init_program("cfg")
 def init_drafter_params(cfg: DrafterConfig, key: jax.Array) -> dict:
     k_layer, k_fc, k_inj = jax.random.split(key, 3)
     d = cfg.hidden_size

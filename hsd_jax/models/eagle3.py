@@ -25,7 +25,7 @@ import numpy as np
 from hsd_jax.cache import KVCache, write_layer
 from hsd_jax.config import ConfigError, ModelConfig, RopeScaling, _require
 from hsd_jax.loading.errors import ModelLoadError
-from hsd_jax.models.layers import apply_rope, rms_norm, rope_inv_freq
+from hsd_jax.models.layers import apply_rope, init_program, rms_norm, rope_inv_freq
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
 LAYER_KEYS = ("hidden_norm", "input_layernorm", "post_attention_layernorm")
@@ -108,6 +108,7 @@ class Eagle3Config:
         return cls(**base)
 
 
+@init_program("cfg", "std")
 def init_params(cfg: Eagle3Config, key: jax.Array, std: float = 0.05) -> dict:
     """Random weights in the layout `load_published` produces ([in, out] kernels)."""
     h, hq, hkv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -1,6 +1,7 @@
 """Building blocks shared by the target model and the drafters: RMSNorm, RoPE, SwiGLU."""
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -72,3 +73,27 @@ class SwiGLU(nn.Module):
 
 def jnp_dtype(cfg: ModelConfig):
     return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+
+
+# One-shot random initialisers on the CPU: XLA's optimiser would take longer than the run.
+INIT_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def init_program(*static: str):
+    """Decorator: run a random initialiser as one jitted program (arguments named in `static` are
+    static), compiled without XLA:CPU's optimiser on the CPU. Op by op, an init's dozens of small
+    ops each compile on their own: seconds per new model shape (tests build many)."""
+    def wrap(fn):
+        jitted = {}
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((args, kwargs))):
+                return fn(*args, **kwargs)   # inside another initialiser's program
+            cpu = jax.default_backend() == "cpu"
+            if cpu not in jitted:
+                jitted[cpu] = jax.jit(fn, static_argnames=static,
+                                      compiler_options=INIT_COMPILE_OPTIONS if cpu else None)
+            return jitted[cpu](*args, **kwargs)
+        return call
+    return wrap

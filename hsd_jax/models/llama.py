@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from hsd_jax.cache import KVCache, write_layer
 from hsd_jax.config import ModelConfig
-from hsd_jax.models.layers import RMSNorm, SwiGLU, apply_rope, jnp_dtype, rms_norm, rope_inv_freq
+from hsd_jax.models.layers import RMSNorm, SwiGLU, apply_rope, init_program, jnp_dtype, rms_norm, rope_inv_freq
 from pallas_kernels.tree_attention import resolve_attention_impl, tree_attention
 
 
@@ -90,6 +90,7 @@ class DecoderLayer(nn.Module):
         return self.output(x, attn), cache_k, cache_v
 
 
+@init_program("cfg", "init_std")
 def init_params(cfg: ModelConfig, key: jax.Array, init_std: float = 0.02) -> dict:
     """Random parameters (tests, drafters). Layer params are stacked on axis 0."""
     dt = jnp_dtype(cfg)
