@@ -343,6 +343,9 @@ def _add_tune(sub):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--lookup-slots", default="0,4", metavar="M,M",
                    help="prompt-lookup node counts tried with each finalist tree (default 0,4)")
+    p.add_argument("--lookup-min-match", default=str(SpecConfig.lookup_min_match), metavar="N,N",
+                   help="shortest lookup matches tried with the lookup nodes (default "
+                        f"{SpecConfig.lookup_min_match}; 0,2 where verify rows are nearly free, e.g. a GPU)")
     p.set_defaults(func=cmd_tune)
 
 
@@ -355,6 +358,14 @@ def cmd_tune(a) -> int:
         lookup = ()
     if not lookup or lookup[0] < 0:
         raise UsageError(f"--lookup-slots expects whole numbers >= 0 separated by commas, got {a.lookup_slots!r}")
+    try:
+        least = tuple(sorted({int(n) for n in a.lookup_min_match.split(",")}))
+    except ValueError:
+        least = ()
+    if not least:
+        raise UsageError(f"--lookup-min-match expects whole numbers separated by commas, got {a.lookup_min_match!r}")
+    for n in least:
+        SpecConfig(lookup_min_match=n)   # its range, with generate's message
     _check_model(a.model)
     from hsd_jax.api import PROMPT_BUCKET, load_drafter, load_target, round_up
     from hsd_jax.train.data import gsm8k_questions
@@ -367,7 +378,8 @@ def cmd_tune(a) -> int:
         ids = target.encode(q, chat=True)
         by_bucket.setdefault(round_up(len(ids), PROMPT_BUCKET), []).append(ids)
     prompts = max(by_bucket.values(), key=len)[: a.num_prompts]  # one padded length: one compile per tree
-    report = tune(target, drafter, prompts, max_new_tokens=a.max_new_tokens, lookup_slots=lookup)
+    report = tune(target, drafter, prompts, max_new_tokens=a.max_new_tokens, lookup_slots=lookup,
+                  lookup_min_match=least)
     _say(json.dumps({k: report[k] for k in ("hardware", "tree", "lookup_slots", "expected_tokens_per_s",
                                                  "ar_tokens_per_s", "path")}))
     return 0

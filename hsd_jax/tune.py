@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 
-from hsd_jax.engine import REUSE_POLICIES
+from hsd_jax.engine import REUSE_POLICIES, SpecConfig
 from hsd_jax.tuning import hardware_key, save_tuned
 
 
@@ -119,14 +119,17 @@ def _summary(runs: list[tuple], ar_runs: list[tuple] | None = None) -> dict:
 
 
 def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None = None, max_new_tokens: int = 64,
-         finalists: int = 4, lookup_slots: tuple[int, ...] = (0, 4), curve: dict[int, float] | None = None,
+         finalists: int = 4, lookup_slots: tuple[int, ...] = (0, 4),
+         lookup_min_match: tuple[int, ...] = (SpecConfig.lookup_min_match,), curve: dict[int, float] | None = None,
          tuned_dir: str | None = None, log=print) -> dict:
-    """Pick the tree (for HSD also the reuse policy, and the number of prompt-lookup nodes) with
+    """Pick the tree (for HSD also the reuse policy, the number of prompt-lookup nodes and the
+    shortest lookup match that adds them to a round) with
     the most tokens/s at batch 1, store it for this hardware, target and drafter
     (`hsd_jax.tuning`); returns the report.
 
     Stage 1 runs every tree of the grid on the first half of `prompts` (at least 2); stage 2
-    reruns the `finalists` fastest trees (x every reuse policy for HSD, x every `lookup_slots`)
+    reruns the `finalists` fastest trees (x every reuse policy for HSD, x every `lookup_slots`, the
+    nonzero ones x every `lookup_min_match`: where verify rows are free, 0 wins)
     interleaved with ar on all `prompts`, and the median speedup over prompts decides. `curve`: a
     verify-cost curve already measured (`verify_cost_curve`), else it is measured first.
     `tuned_dir`: where the result goes (default: `tuning.cache_dir()`, where `generate(..., tuned=True)` looks)."""
@@ -150,9 +153,11 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
     for tree in top:
         for reuse in policies:
             for m in lookup_slots:
-                name = ("/".join(str(tree[k]) for k in keys) + (f" {reuse}" if reuse else "")
-                        + (f" +lookup{m}" if m else ""))
-                variants[name] = dict(kw, **tree, **({"reuse": reuse} if reuse else {}), lookup_slots=m)
+                for least in lookup_min_match if m else (None,):
+                    name = ("/".join(str(tree[k]) for k in keys) + (f" {reuse}" if reuse else "")
+                            + (f" +lookup{m}/{least}" if m else ""))
+                    variants[name] = dict(kw, **tree, **({"reuse": reuse} if reuse else {}), lookup_slots=m,
+                                          **({"lookup_min_match": least} if m else {}))
     log(f"stage 2: {len(variants) - 1} finalists interleaved with ar on {len(prompts)} prompts")
     runs = _interleaved(target, prompts, max_new_tokens, variants)
     final = {name: _summary(r, runs["ar"]) for name, r in runs.items()}
@@ -167,6 +172,8 @@ def tune(target, drafter, prompts: list[list[int]], *, grid: list[dict] | None =
               "max_new_tokens": max_new_tokens, "lookup_slots": choice["lookup_slots"]}
     if "reuse" in choice:
         report["reuse"] = choice["reuse"]
+    if "lookup_min_match" in choice:
+        report["lookup_min_match"] = choice["lookup_min_match"]
     report["path"] = save_tuned(report, target, drafter, tuned_dir)
     log(f"best: {best} at {final[best]['tokens_per_s']:.1f} tok/s vs ar {final['ar']['tokens_per_s']:.1f} tok/s "
         f"({final[best]['speedup_vs_ar']:.2f}x), tau {final[best]['tau']:.2f}")

@@ -79,7 +79,7 @@ def load_tuned(target, drafter, folder: str | None = None) -> dict | None:
 
 
 def tuned_options(method: str, target, drafter, folder: str | None = None) -> dict:
-    """The tree, lookup nodes (and for hsd the reuse policy) `hsd tune` chose for this hardware,
+    """The tree, lookup nodes and their shortest match (and for hsd the reuse policy) `hsd tune` chose for this hardware,
     target and drafter; a clear error when it was never run for them."""
     report = load_tuned(target, drafter, folder)
     if report is None:
@@ -87,6 +87,8 @@ def tuned_options(method: str, target, drafter, folder: str | None = None) -> di
                          f"run `hsd tune --method {method}` first (it writes {tuned_path(target, drafter, folder)}), "
                          "or drop tuned=True to use the defaults")
     opts = dict(report["tree"], lookup_slots=report.get("lookup_slots", 0))
+    if "lookup_min_match" in report:
+        opts["lookup_min_match"] = report["lookup_min_match"]
     if method == "hsd" and "reuse" in report:
         opts["reuse"] = report["reuse"]
     return opts

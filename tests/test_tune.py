@@ -32,26 +32,26 @@ def test_tune_writes_the_fastest_tree_and_generate_uses_it_when_asked(tuned_dir)
     drafter = load_drafter("hsd", target=target, random_init=True)
     grid = [dict(tree_nodes=2, tree_depth=2, tree_top_k=1), dict(tree_nodes=6, tree_depth=3, tree_top_k=2)]
     report = tune.tune(target, drafter, [[3, 9, 27, 17], [40, 2, 2, 8]], grid=grid, max_new_tokens=8, finalists=1,
-                       lookup_slots=(0, 2), log=lambda s: None)
+                       lookup_slots=(2,), lookup_min_match=(0, 2), log=lambda s: None)
 
     files = list(tuned_dir.iterdir())
     assert [str(f) for f in files] == [report["path"]]
     assert files[0].name.startswith(f"{tuning.hardware_key()}--") and "--hsd-" in files[0].name
     saved = json.loads(files[0].read_text())
     assert saved["tree"] == report["tree"] and '": "/' not in files[0].read_text()  # no machine paths
-    assert len(report["grid"]) == 2 and len(report["finalists"]) == 1 + 3 * 2  # ar + 1 tree x 3 reuse x 2 lookup
+    assert len(report["grid"]) == 2 and len(report["finalists"]) == 1 + 3 * 2  # ar + 1 tree x 3 reuse x 2 matches
     assert report["finalists"]["ar"]["speedup_vs_ar"] == 1.0
     best = max((n for n in report["finalists"] if n != "ar"), key=lambda n: report["finalists"][n]["speedup_vs_ar"])
     tree = report["tree"]
-    m = report["lookup_slots"]
+    m, least = report["lookup_slots"], report["lookup_min_match"]
     assert best == (f"{tree['tree_nodes']}/{tree['tree_depth']}/{tree['tree_top_k']} {report['reuse']}"
-                    + (f" +lookup{m}" if m else ""))
+                    + f" +lookup{m}/{least}")
     assert len(report["acceptance_by_depth"]) == 4 and all(0 <= a <= 1 for a in report["acceptance_by_depth"])
     sizes = list(report["verify_cost_ms"])
     assert sizes == sorted(sizes) and len(sizes) > 1 and all(ms > 0 for ms in report["verify_cost_ms"].values())
 
     stats = generate(target, [[5, 6, 7]], max_new_tokens=6, method="hsd", drafter=drafter, tuned=True)[0].stats
-    assert stats["reuse"] == report["reuse"] and stats["lookup_slots"] == m
+    assert stats["reuse"] == report["reuse"] and stats["lookup_slots"] == m and stats["lookup_min_match"] == least
     assert (stats["tree_nodes"], stats["tree_depth"], stats["tree_top_k"]) == tuple(report["tree"].values())
     plain = generate(target, [[5, 6, 7]], max_new_tokens=6, method="hsd", drafter=drafter)[0].stats
     d = SpecConfig()

@@ -76,6 +76,7 @@ class Sizes:
     tune_prompts: int = 4
     tune_finalists: int = 2
     tune_lookup: tuple = (0, 4)      # prompt-lookup nodes tried with each finalist
+    tune_lookup_min_match: tuple = (0, 2)   # shortest lookup matches tried (verify rows are nearly free on a GPU)
     tune_new_tokens: int = 64
     kernel_n: tuple = (1, 2, 4, 8, 16, 32, 64)
     kernel_seq: tuple = (512, 1024, 2048, 4096)
@@ -89,7 +90,7 @@ DRY = Sizes(gen_batch=4, gen_new_tokens=8, gen_prompt_tokens=96, gen_bucket=32, 
             train_batch=2, train_window=48, train_unroll=2, train_ce_positions=8, train_steps=3, train_vocab=256,
             feature_batch=2, bench_prompts=2, bench_new_tokens=6, bench_bucket=32, bench_tree=(3, 2, 2),
             bench_batch8_methods="ar,hsd-refresh", bench_batch1_methods="ar,eagle,eagle3",
-            identity_prompts=2, identity_always=True, tune_sizes=(1, 2), tune_grid=((2, 2, 1),), tune_prompts=2, tune_finalists=1, tune_new_tokens=4, tune_lookup=(0,), train_overhead_s=2.0,
+            identity_prompts=2, identity_always=True, tune_sizes=(1, 2), tune_grid=((2, 2, 1),), tune_prompts=2, tune_finalists=1, tune_new_tokens=4, tune_lookup=(0,), tune_lookup_min_match=(2,), train_overhead_s=2.0,
             kernel_n=(1, 4), kernel_seq=(256,), kernel_repeats=2, kernel_batch=2, max_cache_len=256)
 
 
@@ -348,10 +349,10 @@ def part_tune(args, deadline: float) -> dict:
     prompts = max(by_len.values(), key=len)[: s.tune_prompts]
     grid = [dict(tree_nodes=n, tree_depth=d, tree_top_k=k) for n, d, k in s.tune_grid]
     report = tune_mod.tune(target, drafter, prompts, grid=grid, max_new_tokens=s.tune_new_tokens, finalists=s.tune_finalists,
-                           lookup_slots=s.tune_lookup, curve=curve, tuned_dir=str(args.work / "tuned"), log=log)
+                           lookup_slots=s.tune_lookup, lookup_min_match=s.tune_lookup_min_match, curve=curve, tuned_dir=str(args.work / "tuned"), log=log)
     report["drafter"] = path
     write_json(args.out / "tuned.json", report)
-    out["tuned"] = {k: report[k] for k in ("hardware", "tree", "reuse", "lookup_slots", "expected_speedup", "expected_tokens_per_s",
+    out["tuned"] = {k: report[k] for k in ("hardware", "tree", "reuse", "lookup_slots", "lookup_min_match", "expected_speedup", "expected_tokens_per_s",
                                            "ar_tokens_per_s", "acceptance_by_depth") if k in report}
     return out
 
