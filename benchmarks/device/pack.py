@@ -68,7 +68,7 @@ class Sizes:
     bench_bucket: int = 512          # MT-bench chat prompts reach 402 tokens: one compile per method
     bench_tree: tuple = (24, 6, 4)   # nodes, depth, top-k
     bench_batch8_methods: str = "ar,eagle,eagle3,hsd-noreuse,hsd-refresh,hsd-chain"
-    bench_batch1_methods: str = "ar,sd,eagle,eagle3,hsd-noreuse,hsd-chain,ngram,lookup,hsd+lookup"
+    bench_batch1_methods: str = "ar,sd,eagle,eagle3,hsd-noreuse,hsd-chain,ngram,lookup,hsd+lookup,hsd+lookup/0"
     identity_prompts: int = 16
     identity_always: bool = False    # run the float32 identity check even when bf16 kept identity
     tune_sizes: tuple = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -76,7 +76,7 @@ class Sizes:
     tune_prompts: int = 4
     tune_finalists: int = 2
     tune_lookup: tuple = (0, 4)      # prompt-lookup nodes tried with each finalist
-    tune_lookup_min_match: tuple = (0, 2)   # shortest lookup matches tried (verify rows are nearly free on a GPU)
+    tune_lookup_min_match: tuple = (2,)   # shortest lookup matches tried (the bench part compares 0 and 2)
     tune_new_tokens: int = 64
     kernel_n: tuple = (1, 2, 4, 8, 16, 32, 64)
     kernel_seq: tuple = (512, 1024, 2048, 4096)
