@@ -37,7 +37,7 @@ HSD_REUSE = {"hsd-noreuse": "none", "hsd-refresh": "refresh", "hsd-chain": "chai
 METHOD_NAMES = METHODS + tuple(HSD_REUSE)
 SPEC_OPTIONS = frozenset().union(*(m.options for m in REGISTRY.values()))   # every method's options
 HYBRID_LOOKUP_SLOTS = 4   # "hsd+lookup": a tree method with this many prompt-lookup nodes ("hsd+lookup6": 6)
-# "hsd+lookup6/0": ... verified in every round (`lookup_min_match` 0; default: SpecConfig's)
+# "hsd+lookup6/0": those nodes in every round (`lookup_min_match` 0; without "/N": SpecConfig's default)
 
 
 class BenchError(ValueError):
