@@ -133,6 +133,18 @@ def _unit_rms(x):
     return xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)
 
 
+def fused_readout_params(key: jax.Array, n_in: int, hidden: int, d: int) -> dict:
+    """The fused read-out MLP's weights: zero output layer, so it starts as the plain read-out."""
+    return {"w1": 0.02 * jax.random.normal(key, (n_in, hidden)), "b1": jnp.zeros((hidden,)), "w2": jnp.zeros((hidden, d))}
+
+
+def fused_readout(p: dict, g: jax.Array, tokens: list, scale: float) -> jax.Array:
+    """g + scale * MLP([rms g; tokens...]): the read-out's view of the draft token(s) (unit-RMS
+    embeddings), added to the drafter's state before the head."""
+    hid = jax.nn.silu(jnp.concatenate([_unit_rms(g), *tokens], -1) @ p["w1"] + p["b1"])
+    return g + scale * (hid @ p["w2"])
+
+
 @init_program("cfg")
 def init_drafter_params(cfg: DrafterConfig, key: jax.Array) -> dict:
     k_layer, k_fc, k_inj = jax.random.split(key, 3)
@@ -144,10 +156,7 @@ def init_drafter_params(cfg: DrafterConfig, key: jax.Array) -> dict:
         eye = jnp.zeros((n_fc, d)).at[n_in - d: n_in].set(jnp.eye(d))
         params["fc"] = {"kernel": eye + 0.01 * jax.random.normal(k_fc, (n_fc, d))}
     if cfg.uses_fused_readout:
-        h = cfg.mlp_hidden
-        n_in = d * (1 + cfg.readout_context)
-        params["inject"] = {"w1": 0.02 * jax.random.normal(k_inj, (n_in, h)), "b1": jnp.zeros((h,)),
-                            "w2": jnp.zeros((h, d))}
+        params["inject"] = fused_readout_params(k_inj, d * (1 + cfg.readout_context), cfg.mlp_hidden, d)
     elif cfg.kind == "hsd":
         params["inject"] = {"w": jnp.zeros((d, d))}
     return params
@@ -162,11 +171,9 @@ def readout(params: dict, cfg: DrafterConfig, view: TargetView, g: jax.Array, to
     e = _unit_rms(jnp.take(view.embedding, tokens, axis=0))
     gf = g.astype(jnp.float32)
     if cfg.uses_fused_readout:
-        p = params["inject"]
         more = [] if cfg.readout_context == 1 else [
             _unit_rms(jnp.take(view.embedding, context[..., i], axis=0)) for i in range(cfg.readout_context - 1)]
-        hid = jax.nn.silu(jnp.concatenate([_unit_rms(gf), e, *more], -1) @ p["w1"] + p["b1"])
-        gf = gf + cfg.feature_rms * (hid @ p["w2"])
+        gf = fused_readout(params["inject"], gf, [e, *more], cfg.feature_rms)
     elif cfg.kind == "hsd":
         gf = gf + cfg.feature_rms * (e @ params["inject"]["w"])
     h = rms_norm(gf, view.norm_scale, cfg.rms_norm_eps)

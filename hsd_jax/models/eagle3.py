@@ -123,9 +123,9 @@ def init_params(cfg: Eagle3Config, key: jax.Array, std: float = 0.05) -> dict:
     mid["mlp"] = {k: w[k] for k in ("gate_proj", "up_proj", "down_proj")}
     params = {"fc": w["fc"], "midlayer": mid, "norm": ones(), "lm_head": w["lm_head"]}
     if cfg.readout == "fused":   # zero output layer: starts as the plain read-out
-        k = jax.random.fold_in(key, 1)
-        params["inject"] = {"w1": 0.02 * jax.random.normal(k, (2 * h, 2 * h)), "b1": jnp.zeros((2 * h,)),
-                            "w2": jnp.zeros((2 * h, h))}
+        from hsd_jax.models.drafter import fused_readout_params
+
+        params["inject"] = fused_readout_params(jax.random.fold_in(key, 1), 2 * h, 2 * h, h)
     return params
 
 
@@ -180,12 +180,9 @@ def logits(params: dict, cfg: Eagle3Config, h: jax.Array, emb: jax.Array | None 
     """Draft-vocabulary logits [..., V_d] of the token after the one h was computed with (whose
     embedding `emb` [..., H] the fused read-out also reads)."""
     if cfg.readout == "fused":
-        from hsd_jax.models.drafter import _unit_rms
+        from hsd_jax.models.drafter import _unit_rms, fused_readout
 
-        p = params["inject"]
-        hf = h.astype(jnp.float32)
-        hid = jax.nn.silu(jnp.concatenate([_unit_rms(hf), _unit_rms(emb)], -1) @ p["w1"] + p["b1"])
-        h = hf + cfg.readout_scale * (hid @ p["w2"])
+        h = fused_readout(params["inject"], h.astype(jnp.float32), [_unit_rms(emb)], cfg.readout_scale)
     y = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps).astype(jnp.float32)
     return y @ params["lm_head"]["kernel"].astype(jnp.float32)
 
