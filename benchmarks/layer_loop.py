@@ -13,6 +13,7 @@ the experimental forward swapped in for the run only. Outputs are checked identi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -111,6 +112,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
+    os.environ["HSD_CPU_KERNELS"] = "0"     # XLA's dots on both sides, as measured before hsd_jax.cpu_kernels
     llama.forward_embeddings = unrolled     # falls back to the scan unless params carry "layer_list"
     target = load_target("smollm2-135m", max_cache_len=args.max_cache_len)
     isolated(target, args.context)

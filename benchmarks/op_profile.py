@@ -7,6 +7,8 @@ it (the HLO metadata's op_name, from the compiled program's text), so a row read
 
     python benchmarks/op_profile.py --method lookup --gamma 6 --suite spec_bench:summarization
     python benchmarks/op_profile.py --method hsd --tree 1,1,1 --lookup-slots 6 --lookup-min-match 0
+
+(`HSD_CPU_KERNELS=0` profiles XLA's dots instead of `hsd_jax.cpu_kernels`.)
 """
 from __future__ import annotations
 

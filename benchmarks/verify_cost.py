@@ -26,18 +26,22 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu-kernel", type=int, default=1, help="1: the layers as generate runs them (hsd_jax.cpu_kernels "
+                    "where enabled); 0: XLA's dots")
     args = ap.parse_args()
 
     import jax
 
     from hsd_jax import load_target
+    from hsd_jax.api import serving_params
     from hsd_jax.bench import interleaved_ms, machine_info
     from hsd_jax.models import llama
     from hsd_jax.tune import verify_inputs, verify_program
 
     sizes = [int(s) for s in args.sizes.split(",")]
     target = load_target(args.model, tokenizer=False)
-    cfg, params = target.config, target.params
+    cfg = target.config
+    params = serving_params(target) if args.cpu_kernel else target.params
 
     def forward(params, toks, pos, cache, parents, screen):
         return llama.forward(params, cfg, toks, pos, cache, parents).features
@@ -50,7 +54,8 @@ def main() -> None:
     inputs = {n: [(params, *verify_inputs(cfg, n, args.context), llama.head_screen(params, cfg, n))] for n in sizes}
     ms_by_name = interleaved_ms(programs, inputs, args.rounds)
     out = {"n": sizes, "context": args.context, "rounds": args.rounds, "model": args.model,
-           "machine": machine_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+           "machine": machine_info(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "cpu_kernel": "packed_kernels" in params}
     for name in programs:
         ms = [ms_by_name[name][n] for n in sizes]
         out[name] = {"ms": ms, "ratio_to_n1": [round(m / ms[0], 3) for m in ms]}

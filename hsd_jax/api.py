@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hsd_jax import distributed, sharding
+from hsd_jax import cpu_kernels, distributed, sharding
 from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig
 from hsd_jax.loading.errors import ModelLoadError
 from hsd_jax.models.drafter import Drafter
@@ -25,6 +25,7 @@ class Target:
     tokenizer: Any
     max_cache_len: int
     name: str
+    _packed: Any = dataclasses.field(default=None, repr=False, compare=False)   # (params, cpu_kernels.pack_layers)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
@@ -161,6 +162,16 @@ def compile_options(params) -> dict:
     body = {k: v for k, v in params.items() if k not in VOCAB_TABLES} if isinstance(params, dict) else params
     size = sum(int(np.prod(getattr(x, "shape", ()))) for x in jax.tree.leaves(body))
     return dict(FAST_COMPILE_OPTIONS) if size < SMALL_PROGRAM_PARAMS else {}
+
+
+def serving_params(target: Target) -> dict:
+    """The target's params for decoding: with the packed layer kernels of `hsd_jax.cpu_kernels`
+    (built once per Target) when that kernel is enabled and the model is f32, else as loaded."""
+    if target.config.dtype != "float32" or not cpu_kernels.enabled():
+        return target.params
+    if target._packed is None or target._packed[0] is not target.params:
+        target._packed = (target.params, cpu_kernels.pack_layers(target.params["layers"]))
+    return dict(target.params, packed_kernels=target._packed[1])
 
 
 def compiled(fn, args, static: dict, options: dict | None = None):
@@ -364,15 +375,16 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
     tokens, lengths = pad_prompts(ids, prompt_bucket if fits else PROMPT_BUCKET)  # a bucket must not overflow the cache
     capacity = min(round_up(tokens.shape[1] + max_new_tokens + slack, 128), round_up(target.max_cache_len, 16))
     key = jax.random.key(seed)
+    tparams = serving_params(target) if mesh is None else target.params
     if spec is None:
-        fn, args = engine.ar_generate, (target.params, tokens, lengths, key)
+        fn, args = engine.ar_generate, (tparams, tokens, lengths, key)
         static = dict(cfg=target.config, sampling=sampling, max_new_tokens=int(max_new_tokens), capacity=capacity)
     else:
         tcfg = target.config
         if getattr(drafter.config, "feature_layers", ()):  # the drafter reads these target layers' outputs
             tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
         d2t = np.zeros((1,), np.int32) if drafter.d2t is None else drafter.d2t
-        fn, args = engine.spec_generate, (target.params, drafter.params, d2t, tokens, lengths, key)
+        fn, args = engine.spec_generate, (tparams, drafter.params, d2t, tokens, lengths, key)
         static = dict(tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling,
                       max_new_tokens=int(max_new_tokens), capacity=capacity)
     if mesh is not None:

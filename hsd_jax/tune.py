@@ -56,10 +56,11 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64), con
                       repeats: int = 5, greedy: bool = True) -> dict[int, float]:
     """Milliseconds of one verify (`verify_program` over N new tree tokens) after `context` cached
     tokens; medians of rounds that interleave every N, so a passing slowdown hits all N alike."""
+    from hsd_jax.api import serving_params
     from hsd_jax.bench import interleaved_ms
     from hsd_jax.models import llama
 
-    cfg, params = target.config, target.params
+    cfg, params = target.config, serving_params(target)     # as `generate` runs it (the CPU kernel included)
     verify = verify_program(cfg, greedy)
     inputs = {n: [(params, *verify_inputs(cfg, n, context), llama.head_screen(params, cfg, n) if greedy else None)]
               for n in sizes}

@@ -1,5 +1,5 @@
 """Shared, session-scoped models: loading SmolLM2 (JAX and PyTorch) once for the whole suite, and
-one XLA compilation cache for the whole run.
+one XLA compilation cache and one user cache (tuned trees, the CPU kernel's build) for the whole run.
 
 Most of the suite's time is XLA compiling decode loops, and many modules, subprocesses and
 notebook kernels compile the same programs (the same model at the same shapes). They share one
@@ -19,6 +19,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE         # subprocesses and kernels inherit it
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+if "HSD_JAX_CACHE" not in os.environ:   # the user cache (tuned trees, the built CPU kernel): fresh per run too
+    _HSD_CACHE = tempfile.mkdtemp(prefix="hsd-tests-cache-")
+    atexit.register(shutil.rmtree, _HSD_CACHE, ignore_errors=True)
+    os.environ["HSD_JAX_CACHE"] = _HSD_CACHE
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])   # if a plugin imported jax first
 jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from hsd_jax import cpu_kernels
 from hsd_jax.cache import KVCache, write_layer
 from hsd_jax.config import ModelConfig
 from hsd_jax.models.layers import RMSNorm, SwiGLU, apply_rope, init_program, jnp_dtype, rms_norm, rope_inv_freq
@@ -135,11 +136,16 @@ def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: 
     """`forward` from input vectors x [B, T, d] instead of token ids (drafters feed features)."""
     layer = DecoderLayer(cfg)
     feature_layers = jnp.asarray(cfg.feature_layers, jnp.int32)
+    packed = params.get("packed_kernels") if x.shape[0] * x.shape[1] <= cpu_kernels.MAX_ROWS else None
 
     def body(carry, inputs):
         x, ck, cv = carry
         p, idx = inputs
-        x, ck, cv = layer.apply({"params": p}, x, positions, ck, cv, idx, cache.lengths, parents)
+        if packed:   # the CPU kernel reads this layer's weights from the packed stacks, no copy
+            with nn.intercept_methods(cpu_kernels.dense_interceptor(packed, idx)):
+                x, ck, cv = layer.apply({"params": p}, x, positions, ck, cv, idx, cache.lengths, parents)
+        else:
+            x, ck, cv = layer.apply({"params": p}, x, positions, ck, cv, idx, cache.lengths, parents)
         return (x, ck, cv), (x if cfg.feature_layers else None)
 
     (x, ck, cv), per_layer = jax.lax.scan(

@@ -1,0 +1,135 @@
+"""A CPU kernel for the target's layer matmuls at decode and verify sizes (1-64 rows).
+
+Inside the layer `lax.scan`, XLA:CPU copies each layer's weight matrices out of the stacked
+[L, d, f] arrays before its GEMM whenever a forward has 2+ rows: as much time as the products
+(BENCHMARKS.md, "Op by op"). `stacked_matmul.cc` is an XLA FFI handler that reads a layer's
+weights in place from a pre-packed copy ([L, f / 32, d, 32]: every 32-column tile contiguous,
+streamed in order), each weight once for all rows. The engine uses it for every Dense of the
+target's layers when `enabled()`: f32 on the CPU, no mesh, a forward of at most MAX_ROWS rows;
+prefill and training keep XLA's dots.
+
+Built on first use with the system C++ compiler against the running jaxlib's FFI headers (so
+the binary always matches the installed jaxlib and this CPU), cached in the user cache folder.
+No compiler, a failed build or `HSD_CPU_KERNELS=0`: XLA's dots, with one warning.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+COLS = 32           # the kernel's column tile (the packed layout's last axis)
+MAX_ROWS = 64       # forwards up to this many rows (batch x new tokens): measured faster than XLA up to 64
+SOURCE = os.path.join(os.path.dirname(__file__), "stacked_matmul.cc")
+TARGET = "hsd_stacked_matmul_packed"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+
+
+def _cache_dir() -> str:
+    from hsd_jax.tuning import cache_dir
+
+    return os.path.join(os.path.dirname(cache_dir()), "cpu_kernels")
+
+
+def _library_path() -> str:
+    """Where the built kernel for this source, jaxlib, compiler flags and machine lives."""
+    import jaxlib
+
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + repr((jaxlib.__version__, FLAGS, platform.machine(),
+                                               platform.processor())).encode()).hexdigest()[:16]
+    return os.path.join(_cache_dir(), f"stacked_matmul-{key}.so")
+
+
+def _build(out: str) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (g++ / c++ / $CXX)")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
+        part = os.path.join(tmp, "kernel.so")
+        proc = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", part],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-800:]}")
+        os.replace(part, out)       # atomic: processes building at once all end with a whole file
+
+
+@functools.cache
+def _registered() -> bool:
+    """Build (once per machine) and register the kernel; False, with a warning, when that fails."""
+    try:
+        path = _library_path()
+        if not os.path.exists(path):
+            _build(path)
+        lib = ctypes.cdll.LoadLibrary(path)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.StackedMatmulPacked), platform="cpu")
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure means XLA's dots, never a crash
+        warnings.warn(f"hsd_jax CPU kernel unavailable, using XLA's dots: {e}", RuntimeWarning, stacklevel=3)
+        return False
+
+
+def enabled() -> bool:
+    """Whether serving on this process may use the kernel: CPU backend, not disabled, built."""
+    return (os.environ.get("HSD_CPU_KERNELS", "1") != "0" and jax.default_backend() == "cpu"
+            and _registered())
+
+
+def pack(w) -> np.ndarray:
+    """[L, d, f] -> [L, f / 32, d, 32], each column tile contiguous."""
+    w = np.asarray(w, np.float32)
+    L, d, f = w.shape
+    return np.ascontiguousarray(w.reshape(L, d, f // COLS, COLS).transpose(0, 2, 1, 3))
+
+
+def pack_layers(layers: dict) -> dict:
+    """{"q_proj": [L, f/32, d, 32], "mlp/gate_proj": ...}: every f32 Dense kernel of the stacked
+    layer params whose output width is a multiple of COLS (the others keep XLA's dot)."""
+    out = {}
+
+    def visit(tree, path):
+        for name, sub in tree.items():
+            if name == "kernel" and getattr(sub, "ndim", 0) == 3 and sub.dtype == jnp.float32 and sub.shape[2] % COLS == 0:
+                out["/".join(path)] = jnp.asarray(pack(sub))
+            elif isinstance(sub, dict):
+                visit(sub, path + (name,))
+
+    visit(layers, ())
+    return out
+
+
+def stacked_matmul(x, packed, layer):
+    """x [N, d] @ the layer's [d, f] weights from their packed stack [L, f / 32, d, 32]."""
+    f = packed.shape[1] * COLS
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], f), jnp.float32))(
+        x.astype(jnp.float32), packed, jnp.asarray(layer, jnp.int32).reshape(1))
+
+
+def dense_interceptor(packed: dict, layer):
+    """A Flax method interceptor: each Dense whose path (inside the decoder layer) has a packed
+    kernel runs `stacked_matmul` on layer `layer` instead of its own (sliced) kernel."""
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        key = "/".join(module.scope.path) if isinstance(module, nn.Dense) else None
+        if context.method_name != "__call__" or key not in packed:
+            return next_fun(*args, **kwargs)
+        x = args[0]
+        y = stacked_matmul(x.reshape(-1, x.shape[-1]), packed[key], layer).reshape(*x.shape[:-1], -1)
+        if module.use_bias:
+            y = y + module.variables["params"]["bias"]
+        return y.astype(module.dtype or x.dtype)
+
+    return intercept

@@ -1,0 +1,104 @@
+// y[N, f] = x[N, d] @ w[layer] for the target's stacked layer weights, read in place (hsd_jax.cpu_kernels).
+// XLA:CPU copies a layer's weights out of the [L, d, f] stack before its GEMM when N > 1 (BENCHMARKS.md,
+// "Op by op"); this XLA FFI handler reads them where they are, each weight once for all N rows, from
+// the plain [L, d, f] layout or, streamed in order, from [L, f / 32, d, 32]. Threads: XLA's intra-op pool.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int64_t kCols = 32, kRows = 8;
+
+// y[r0 : r0 + R, j : j + 32] over all of d, in 2R AVX-512 registers (R fixed: fully unrolled);
+// W points at the tile's first row, ws is the step between its rows.
+template <int R>
+static void Tile(const float* X, const float* W, int64_t ws, float* Y, int64_t d, int64_t f, int64_t r0, int64_t j) {
+  v16 acc[R][2] = {};
+  for (int64_t k = 0; k < d; ++k) {
+    v16 w0, w1;
+    __builtin_memcpy(&w0, W + k * ws, sizeof(v16));
+    __builtin_memcpy(&w1, W + k * ws + 16, sizeof(v16));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float a = X[(r0 + r) * d + k];
+      acc[r][0] += a * w0;
+      acc[r][1] += a * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __builtin_memcpy(Y + (r0 + r) * f + j, &acc[r][0], sizeof(v16));
+    __builtin_memcpy(Y + (r0 + r) * f + j + 16, &acc[r][1], sizeof(v16));
+  }
+}
+
+template <bool kPacked>
+static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                                    ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  // plain: w [L, d, f]; packed: w [L, f / 32, d, 32] (each column tile contiguous)
+  const bool ok = kPacked ? (wd.size() == 4 && wd[3] == kCols && xd.size() == 2 && xd[1] == wd[2])
+                          : (wd.size() == 3 && xd.size() == 2 && xd[1] == wd[1]);
+  if (!ok) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "stacked_matmul: bad shapes");
+  const int64_t n = xd[0], d = xd[1], f = kPacked ? wd[1] * kCols : wd[2];
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error(ffi::ErrorCode::kOutOfRange, "stacked_matmul: layer out of range");
+  const float* W = w.typed_data() + l * d * f;
+  const int64_t ws = kPacked ? kCols : f;
+  const float* X = x.typed_data();
+  float* Y = y->typed_data();
+  // Register tiles of up to 8 rows x 32 columns; each w tile (d x 32) is streamed from memory once.
+  // The column tiles are split over XLA's intra-op thread pool (this call runs the first share).
+  const int64_t tiles = f / kCols;
+  auto run = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* tile = kPacked ? W + t * d * kCols : W + t * kCols;
+      for (int64_t r0 = 0; r0 < n; r0 += kRows) {
+        switch (std::min(kRows, n - r0)) {
+          case 1: Tile<1>(X, tile, ws, Y, d, f, r0, t * kCols); break;
+          case 2: Tile<2>(X, tile, ws, Y, d, f, r0, t * kCols); break;
+          case 3: Tile<3>(X, tile, ws, Y, d, f, r0, t * kCols); break;
+          case 4: Tile<4>(X, tile, ws, Y, d, f, r0, t * kCols); break;
+          case 5: Tile<5>(X, tile, ws, Y, d, f, r0, t * kCols); break;
+          case 6: Tile<6>(X, tile, ws, Y, d, f, r0, t * kCols); break;
+          case 7: Tile<7>(X, tile, ws, Y, d, f, r0, t * kCols); break;
+          default: Tile<8>(X, tile, ws, Y, d, f, r0, t * kCols); break;
+        }
+      }
+    }
+  };
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), tiles));
+  std::atomic<int64_t> pending(parts - 1);
+  for (int64_t p = 1; p < parts; ++p) {
+    pool.Schedule([&, p] {
+      run(p * tiles / parts, (p + 1) * tiles / parts);
+      pending.fetch_sub(1, std::memory_order_release);
+    });
+  }
+  run(0, tiles / parts);
+  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  for (int64_t j = tiles * kCols; j < f; ++j) {      // columns past the last full tile (plain layout only)
+    for (int64_t r = 0; r < n; ++r) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < d; ++k) s += X[r * d + k] * W[k * f + j];
+      Y[r * f + j] = s;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+#define HSD_BIND                                  \
+  ffi::Ffi::Bind()                                \
+      .Ctx<ffi::ThreadPool>()                     \
+      .Arg<ffi::Buffer<ffi::F32>>()               \
+      .Arg<ffi::Buffer<ffi::F32>>()               \
+      .Arg<ffi::Buffer<ffi::S32>>()               \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmul, StackedMatmulImpl<false>, HSD_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPacked, StackedMatmulImpl<true>, HSD_BIND);
