@@ -42,13 +42,24 @@ def _cache_dir() -> str:
     return os.path.join(os.path.dirname(cache_dir()), "cpu_kernels")
 
 
+def _cpu_id() -> str:
+    """The CPU's model and instruction-set flags (`-march=native` builds for exactly these)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
 def _library_path() -> str:
-    """Where the built kernel for this source, jaxlib, compiler flags and machine lives."""
+    """Where the built kernel for this source, jaxlib, compiler flags and CPU lives (a shared home
+    folder never hands a machine a binary built for another CPU)."""
     import jaxlib
 
     with open(SOURCE, "rb") as f:
         key = hashlib.sha256(f.read() + repr((jaxlib.__version__, FLAGS, platform.machine(),
-                                               platform.processor())).encode()).hexdigest()[:16]
+                                               _cpu_id())).encode()).hexdigest()[:16]
     return os.path.join(_cache_dir(), f"stacked_matmul-{key}.so")
 
 
