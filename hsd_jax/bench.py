@@ -103,10 +103,12 @@ def make_runner(target, name: str, drafter=None, *, options: dict | None = None,
 def machine_info() -> dict:
     import jax
 
+    from hsd_jax import cpu_kernels
+
     dev = jax.devices()[0]
     return {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
             "devices": jax.device_count(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "jax": jax.__version__}
+            "jax": jax.__version__, "cpu_kernel": cpu_kernels.enabled()}   # f32 targets without a mesh use it
 
 
 def interleaved_ms(programs: dict[str, Callable], inputs: dict, rounds: int) -> dict[str, dict]:

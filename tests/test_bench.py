@@ -81,6 +81,9 @@ def test_bench_cli_writes_json_and_plot(tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert res["methods"]["hsd"]["identical_to_ar"] is True and res["options"]["tree_nodes"] == 4
+    from hsd_jax import cpu_kernels
+
+    assert res["machine"]["cpu_kernel"] is cpu_kernels.enabled()     # results say whether the CPU kernel ran
     assert fig.stat().st_size > 10_000
 
 
