@@ -8,6 +8,7 @@ lengths[b] + i of the cache and returns the pre-norm features of the last layer
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -141,10 +142,9 @@ def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: 
     def body(carry, inputs):
         x, ck, cv = carry
         p, idx = inputs
-        if packed:   # the CPU kernel reads this layer's weights from the packed stacks, no copy
-            with nn.intercept_methods(cpu_kernels.dense_interceptor(packed, idx)):
-                x, ck, cv = layer.apply({"params": p}, x, positions, ck, cv, idx, cache.lengths, parents)
-        else:
+        # with packed stacks, the CPU kernel reads this layer's weights in place (no copy)
+        kernel = nn.intercept_methods(cpu_kernels.dense_interceptor(packed, idx)) if packed else contextlib.nullcontext()
+        with kernel:
             x, ck, cv = layer.apply({"params": p}, x, positions, ck, cv, idx, cache.lengths, parents)
         return (x, ck, cv), (x if cfg.feature_layers else None)
 
