@@ -2,8 +2,9 @@
 against one decode step (batch 1, a filled KV cache), all N interleaved round by round so a
 machine's drift hits every N alike; medians.
 
-Four programs per N, jitted as the engine runs them: `forward` (the layers, tree attention,
-the cache write), `verify` (forward plus the greedy head, as `engine.target_verdict` at T = 0:
+Five programs per N, jitted as the engine runs them: `forward` (the layers, tree attention,
+the cache write), `forward_xla_attention` (the same with XLA's tree attention where the CPU
+kernel would serve it: the attention kernel's effect), `verify` (forward plus the greedy head, as `engine.target_verdict` at T = 0:
 the certified bf16 screen where the engine builds one), `verify_f32_head` (forward plus the f32
 logits sampling reads) and `verify_dot_head` (the f32 head as one dot, the form before
 `llama.streams_head_rows`).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from unittest import mock
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
@@ -32,7 +34,7 @@ def main() -> None:
 
     import jax
 
-    from hsd_jax import load_target
+    from hsd_jax import cpu_kernels, load_target
     from hsd_jax.api import serving_params
     from hsd_jax.bench import interleaved_ms, machine_info
     from hsd_jax.models import llama
@@ -46,10 +48,15 @@ def main() -> None:
     def forward(params, toks, pos, cache, parents, screen):
         return llama.forward(params, cfg, toks, pos, cache, parents).features
 
+    def forward_xla_attention(params, toks, pos, cache, parents, screen):
+        with mock.patch.object(cpu_kernels, "attention_supported", lambda *a: False):     # at trace time
+            return llama.forward(params, cfg, toks, pos, cache, parents).features
+
     def verify_dot_head(params, toks, pos, cache, parents, screen):
         return llama.logits_from_features(params, cfg, llama.forward(params, cfg, toks, pos, cache, parents).features)
 
-    programs = {"forward": jax.jit(forward), "verify": verify_program(cfg), "verify_f32_head": verify_program(cfg, False),
+    programs = {"forward": jax.jit(forward), "forward_xla_attention": jax.jit(forward_xla_attention),
+                "verify": verify_program(cfg), "verify_f32_head": verify_program(cfg, False),
                 "verify_dot_head": jax.jit(verify_dot_head)}
     inputs = {n: [(params, *verify_inputs(cfg, n, args.context), llama.head_screen(params, cfg, n))] for n in sizes}
     ms_by_name = interleaved_ms(programs, inputs, args.rounds)

@@ -165,12 +165,16 @@ def compile_options(params) -> dict:
 
 
 def serving_params(target: Target) -> dict:
-    """The target's params for decoding: with the packed layer kernels of `hsd_jax.cpu_kernels`
-    (built once per Target) when that kernel is enabled and the model is f32, else as loaded."""
+    """The target's params for decoding: with the packed layer weights (and the LM head's bf16
+    screen) of `hsd_jax.cpu_kernels` (built once per Target) when the kernels are enabled and the
+    model is f32, else as loaded."""
     if target.config.dtype != "float32" or not cpu_kernels.enabled():
         return target.params
     if target._packed is None or target._packed[0] is not target.params:
-        target._packed = (target.params, cpu_kernels.pack_layers(target.params["layers"]))
+        packed = cpu_kernels.pack_layers(target.params["layers"])
+        if target.config.tie_word_embeddings:
+            packed["head_screen"] = jnp.asarray(cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"]))
+        target._packed = (target.params, packed)
     return dict(target.params, packed_kernels=target._packed[1])
 
 

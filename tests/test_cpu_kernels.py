@@ -1,5 +1,6 @@
-"""The CPU kernel for the target's layer matmuls (hsd_jax.cpu_kernels): equal to XLA's dot,
-used by `generate` with the same tokens, and a clean fallback when it cannot be built."""
+"""The CPU kernels for the target's layers (hsd_jax.cpu_kernels): the matmul equal to XLA's dot,
+the tree attention equal to `tree_attention_reference`, both used by `generate` with the same
+tokens, and a clean fallback when they cannot be built."""
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from hsd_jax import api, cpu_kernels, generate, load_drafter
+from pallas_kernels.tree_attention import ancestor_mask, tree_attention_reference
 from tests.helpers import tiny_target
 
 built = pytest.mark.skipif(not cpu_kernels.enabled(), reason="the CPU kernel could not be built here")
@@ -28,8 +30,30 @@ def test_stacked_matmul_equals_the_dot_for_every_row_count_and_layer():
 
 
 @built
+@pytest.mark.parametrize("head_dim,hq,hkv", [(16, 4, 2), (64, 9, 3), (128, 2, 1)])
+def test_tree_attention_equals_the_reference(head_dim, hq, hkv):
+    """Trees and chains of 1-17 new tokens over per-sequence prefixes (one of them filling the cache
+    to the last slot, one with new tokens past the capacity), on layer 1 of a 3-layer stack."""
+    rng = np.random.default_rng(head_dim)
+    b, s, layers = 3, 40, 3
+    run = jax.jit(cpu_kernels.tree_attention, static_argnames="scale")
+    for n in (1, 2, 5, 17):
+        parents = np.stack([np.arange(n) - 1, rng.integers(-1, np.arange(n)), np.maximum(np.arange(n) - 2, -1)])
+        parents = jnp.asarray(parents, jnp.int32)
+        lengths = jnp.asarray([0, s - n, s - 2], jnp.int32)        # empty, full to the last slot, overflowing
+        k = rng.normal(0, 1, (layers, b, hkv, s, head_dim)).astype(np.float32)
+        v = rng.normal(0, 1, (layers, b, hkv, s, head_dim)).astype(np.float32)
+        q = rng.normal(0, 1, (b, hq, n, head_dim)).astype(np.float32)
+        got = run(q, k, v, 1, lengths, ancestor_mask(parents), scale=head_dim ** -0.5)
+        want = tree_attention_reference(q, k[1], v[1], lengths, parents)
+        in_cache = (np.asarray(lengths)[:, None] + np.arange(n) < s)[:, None, :, None]   # rows whose K/V fit
+        np.testing.assert_allclose(np.where(in_cache, got, 0), np.where(in_cache, want, 0), rtol=2e-5, atol=2e-5)
+        assert np.isfinite(np.asarray(got)).all()
+
+
+@built
 def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
-    t = tiny_target(vocab=64)
+    t = tiny_target(vocab=64, hidden=64, tie_word_embeddings=True)    # head_dim 16 (attention) and the head screen
     d = load_drafter("hsd", target=t, random_init=True, seed=1)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 64, size=n).tolist() for n in (2, 9, 17)]
@@ -43,8 +67,9 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
         assert hsd == ar
         texts[flag] = (ar, [exe.as_text() for exe in api._COMPILED.values()])
     assert texts["0"][0] == texts["1"][0]
-    assert all(cpu_kernels.TARGET not in txt for txt in texts["0"][1])
-    assert all(cpu_kernels.TARGET in txt for txt in texts["1"][1])     # decode and verify both run it
+    for target in cpu_kernels.TARGETS:
+        assert all(target not in txt for txt in texts["0"][1])
+        assert all(target in txt for txt in texts["1"][1])     # decode and verify both run it
 
 
 def test_a_failed_build_falls_back_to_xla_with_one_warning(tmp_path):

@@ -1,10 +1,12 @@
-"""The greedy serving head's bf16 screen (`llama.serving_argmax`): certified rows are the f32
-argmax, near-ties fall back to the f32 head, and decoding stays token-identical with it."""
+"""The greedy serving head's bf16 screen (`llama.serving_argmax`), as XLA's bf16 dot and as the
+CPU kernel's packed copy: certified rows are the f32 argmax, near-ties fall back to the f32 head,
+and decoding stays token-identical with it."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from hsd_jax import generate, load_drafter
+from hsd_jax import cpu_kernels, generate, load_drafter
 from hsd_jax.cache import init_cache
 from hsd_jax.models import llama
 from tests.helpers import tiny_target
@@ -17,7 +19,21 @@ def f32_argmax(params, cfg, features):
     return np.asarray(jnp.argmax(llama.logits_from_features(params, cfg, features), -1))
 
 
-def test_screen_certifies_real_features_and_agrees_with_f32(smol, mt_prompts):
+def screen_params(params, form):
+    """params whose `head_screen` is XLA's [V, d] bf16 dot ("xla") or the kernel's packed copy."""
+    if form == "xla":
+        return params
+    if not cpu_kernels.enabled():
+        pytest.skip("the CPU kernels could not be built here")
+    return dict(params, packed_kernels={"head_screen": jnp.asarray(
+        cpu_kernels.pack_head_screen(params["embed_tokens"]["embedding"]))})
+
+
+FORMS = pytest.mark.parametrize("form", ["xla", "kernel"])
+
+
+@FORMS
+def test_screen_certifies_real_features_and_agrees_with_f32(smol, mt_prompts, form):
     """Every answer position of a real greedy answer: certified rows are the f32 argmax, and nearly
     all rows certify (measured: all of them on MT-bench), else the screen would cost time."""
     cfg = smol.config
@@ -27,46 +43,54 @@ def test_screen_certifies_real_features_and_agrees_with_f32(smol, mt_prompts):
     cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, seq.shape[1] + 16, cfg.head_dim)
     _, out = llama.forward_logits(smol.params, cfg, seq, jnp.arange(seq.shape[1])[None], cache)
     feats = out.features[0, len(ids) - 1:]
-    screen = llama.head_screen(smol.params, cfg, 32)
+    params = screen_params(smol.params, form)
+    screen = llama.head_screen(params, cfg, 32)
+    assert screen.weight.ndim == (2 if form == "xla" else 4)
     certified = []
     for i in range(0, feats.shape[0] - 15, 16):
-        tok, ok = screened(smol.params, cfg, feats[i:i + 16], screen, llama.SCREEN_CANDIDATES)
+        tok, ok = screened(params, cfg, feats[i:i + 16], screen, llama.SCREEN_CANDIDATES)
         ok = np.asarray(ok)
         ref = f32_argmax(smol.params, cfg, feats[i:i + 16])
         assert (np.asarray(tok)[ok] == ref[ok]).all()
-        np.testing.assert_array_equal(np.asarray(serving_argmax(smol.params, cfg, feats[i:i + 16], screen)), ref)
+        np.testing.assert_array_equal(np.asarray(serving_argmax(params, cfg, feats[i:i + 16], screen)), ref)
         certified.append(ok)
     assert np.concatenate(certified).mean() >= 0.9
 
 
-def test_near_ties_fall_back_to_the_f32_head():
+@FORMS
+@pytest.mark.parametrize("rows", [1, 4])
+def test_near_ties_fall_back_to_the_f32_head(form, rows):
     """Tokens 0..19 share one embedding up to 1e-4: the bf16 screen cannot order them, so no row
     certifies from 16 candidates and `serving_argmax` answers from the f32 head; with exact
-    duplicates inside the candidates the lowest id wins, as `jnp.argmax`."""
-    target = tiny_target(vocab=64, hidden=32, tie_word_embeddings=True)
+    duplicates inside the candidates the lowest id wins, as `jnp.argmax`. (Vocabulary 70: the
+    kernel's copy pads it to whole 32-column tiles.)"""
+    target = tiny_target(vocab=70, hidden=32, tie_word_embeddings=True)
     cfg = target.config
     e = np.asarray(target.params["embed_tokens"]["embedding"]).copy()
     u = np.random.default_rng(0).standard_normal(32).astype(np.float32)
     e[:20] = 3 * u + 1e-4 * np.random.default_rng(1).standard_normal((20, 32)).astype(np.float32)
     e[40] = e[41] = 2.5 * u
-    params = dict(target.params, embed_tokens={"embedding": jnp.asarray(e)})
-    feats = jnp.asarray(u[None] + 0.01 * np.random.default_rng(2).standard_normal((4, 32)), jnp.float32)
-    screen = llama.head_screen(params, cfg, 4)
-    assert screen is not None
+    params = screen_params(dict(target.params, embed_tokens={"embedding": jnp.asarray(e)}), form)
+    feats = jnp.asarray(u[None] + 0.01 * np.random.default_rng(2).standard_normal((rows, 32)), jnp.float32)
+    screen = llama.head_screen(params, cfg, rows)
+    if form == "xla" and rows == 1:         # XLA's one-row f32 GEMV beats its bf16 dot: no screen
+        assert screen is None
+        return
     _, ok = screened(params, cfg, feats, screen, 16)
     assert not np.asarray(ok).any()
     np.testing.assert_array_equal(np.asarray(serving_argmax(params, cfg, feats, screen)), f32_argmax(params, cfg, feats))
 
     e[:20] = np.random.default_rng(3).standard_normal((20, 32)).astype(np.float32) * 0.1
-    params = dict(params, embed_tokens={"embedding": jnp.asarray(e)})
-    screen = llama.head_screen(params, cfg, 4)
+    params = screen_params(dict(target.params, embed_tokens={"embedding": jnp.asarray(e)}), form)
+    screen = llama.head_screen(params, cfg, rows)
     tok, ok = screened(params, cfg, feats, screen, 16)
     assert np.asarray(ok).all() and (np.asarray(tok) == 40).all()
 
 
 def test_greedy_decoding_with_the_screen_is_token_identical():
     """A tied tiny target (where the screen runs): ar at batch 2 (screened) equals ar one by one
-    (one row: the f32 GEMV), and hsd with and without the screen equals ar."""
+    (one row: the f32 GEMV, or the kernel's screen where the CPU kernels run), and hsd with and
+    without the screen equals ar."""
     target = tiny_target(vocab=64, tie_word_embeddings=True)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 64, size=n).tolist() for n in (5, 11)]

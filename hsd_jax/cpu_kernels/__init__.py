@@ -1,4 +1,4 @@
-"""A CPU kernel for the target's layer matmuls at decode and verify sizes (1-64 rows).
+"""CPU kernels for the target's layers at decode and verify sizes (1-64 rows): matmuls and attention.
 
 Inside the layer `lax.scan`, XLA:CPU copies each layer's weight matrices out of the stacked
 [L, d, f] arrays before its GEMM whenever a forward has 2+ rows: as much time as the products
@@ -7,6 +7,10 @@ weights in place from a pre-packed copy ([L, f / 32, d, 32]: every 32-column til
 streamed in order), each weight once for all rows. The engine uses it for every Dense of the
 target's layers when `enabled()`: f32 on the CPU, no mesh, a forward of at most MAX_ROWS rows;
 prefill and training keep XLA's dots.
+
+`tree_attention.cc` likewise reads a layer's K/V from the stacked cache in place, and only the
+slots a query sees (the committed prefix and its ancestors among the new tokens), where XLA
+copies the layer's cache out of the stack and scores every slot up to the capacity.
 
 Built on first use with the system C++ compiler against the running jaxlib's FFI headers (so
 the binary always matches the installed jaxlib and this CPU), cached in the user cache folder.
@@ -31,8 +35,9 @@ import numpy as np
 
 COLS = 32           # the kernel's column tile (the packed layout's last axis)
 MAX_ROWS = 64       # forwards up to this many rows (batch x new tokens): measured faster than XLA up to 64
-SOURCE = os.path.join(os.path.dirname(__file__), "stacked_matmul.cc")
-TARGET = "hsd_stacked_matmul_packed"
+SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("stacked_matmul.cc", "tree_attention.cc"))
+TARGETS = {"hsd_stacked_matmul_packed": "StackedMatmulPacked", "hsd_stacked_matmul_packed_bf16": "StackedMatmulPackedBF16",
+           "hsd_tree_attention": "TreeAttention"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -57,10 +62,10 @@ def _library_path() -> str:
     folder never hands a machine a binary built for another CPU)."""
     import jaxlib
 
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + repr((jaxlib.__version__, FLAGS, platform.machine(),
-                                               _cpu_id())).encode()).hexdigest()[:16]
-    return os.path.join(_cache_dir(), f"stacked_matmul-{key}.so")
+    source = b"".join(open(path, "rb").read() for path in SOURCES)
+    key = hashlib.sha256(source + repr((jaxlib.__version__, FLAGS, platform.machine(),
+                                        _cpu_id())).encode()).hexdigest()[:16]
+    return os.path.join(_cache_dir(), f"hsd_kernels-{key}.so")
 
 
 def _build(out: str) -> None:
@@ -70,7 +75,7 @@ def _build(out: str) -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
         part = os.path.join(tmp, "kernel.so")
-        proc = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", part],
+        proc = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *SOURCES, "-o", part],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-800:]}")
@@ -85,7 +90,8 @@ def _registered() -> bool:
         if not os.path.exists(path):
             _build(path)
         lib = ctypes.cdll.LoadLibrary(path)
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.StackedMatmulPacked), platform="cpu")
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         return True
     except Exception as e:  # noqa: BLE001 - any failure means XLA's dots, never a crash
         warnings.warn(f"hsd_jax CPU kernel unavailable, using XLA's dots: {e}", RuntimeWarning, stacklevel=3)
@@ -98,11 +104,19 @@ def enabled() -> bool:
             and _registered())
 
 
-def pack(w) -> np.ndarray:
-    """[L, d, f] -> [L, f / 32, d, 32], each column tile contiguous."""
+def pack(w, dtype=np.float32) -> np.ndarray:
+    """[L, d, f] -> [L, f / 32, d, 32] in `dtype`, each column tile contiguous."""
     w = np.asarray(w, np.float32)
     L, d, f = w.shape
-    return np.ascontiguousarray(w.reshape(L, d, f // COLS, COLS).transpose(0, 2, 1, 3))
+    return np.ascontiguousarray(w.reshape(L, d, f // COLS, COLS).transpose(0, 2, 1, 3).astype(dtype))
+
+
+def pack_head_screen(embedding) -> np.ndarray:
+    """The bf16 screen of a tied LM head (`llama.screened_argmax`) from the embedding [V, d]:
+    [1, ceil(V / 32), d, 32], the vocabulary zero-padded to whole column tiles."""
+    e = np.asarray(embedding, np.float32)
+    pad = -e.shape[0] % COLS
+    return pack(np.pad(e, ((0, pad), (0, 0))).T[None], jnp.bfloat16)
 
 
 def pack_layers(layers: dict) -> dict:
@@ -122,9 +136,11 @@ def pack_layers(layers: dict) -> dict:
 
 
 def stacked_matmul(x, packed, layer):
-    """x [N, d] @ the layer's [d, f] weights from their packed stack [L, f / 32, d, 32]."""
+    """x [N, d] @ the layer's [d, f] weights from their packed stack [L, f / 32, d, 32] (f32 or
+    bf16 weights; f32 products and sums either way)."""
     f = packed.shape[1] * COLS
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], f), jnp.float32))(
+    target = "hsd_stacked_matmul_packed_bf16" if packed.dtype == jnp.bfloat16 else "hsd_stacked_matmul_packed"
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], f), jnp.float32))(
         x.astype(jnp.float32), packed, jnp.asarray(layer, jnp.int32).reshape(1))
 
 
@@ -144,3 +160,18 @@ def dense_interceptor(packed: dict, layer):
         return y.astype(module.dtype or x.dtype)
 
     return intercept
+
+
+def attention_supported(cache_dtype, head_dim: int) -> bool:
+    """Whether `tree_attention` serves a cache of this dtype and head size (f32; Dh a multiple of
+    16 up to 128)."""
+    return jnp.dtype(cache_dtype) == jnp.float32 and head_dim % 16 == 0 and head_dim <= 128
+
+
+def tree_attention(q, k_stack, v_stack, layer, lengths, ancestors, scale: float):
+    """Attention of q [B, Hq, N, Dh] over layer `layer` of the stacked cache [L, B, Hkv, S, Dh]
+    (the N new tokens' K/V already written at slots lengths[b] + i): query i sees the prefix
+    [0, lengths[b]) and new token a where ancestors[b, i, a] (`tree_attention_reference`'s rule)."""
+    return jax.ffi.ffi_call("hsd_tree_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), k_stack, v_stack, jnp.asarray(layer, jnp.int32).reshape(1),
+        lengths.astype(jnp.int32), ancestors.astype(jnp.int32), scale=np.float32(scale))

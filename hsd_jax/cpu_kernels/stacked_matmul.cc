@@ -1,7 +1,7 @@
 // y[N, f] = x[N, d] @ w[layer] for the target's stacked layer weights, read in place (hsd_jax.cpu_kernels).
 // XLA:CPU copies a layer's weights out of the [L, d, f] stack before its GEMM when N > 1 (BENCHMARKS.md,
 // "Op by op"); this XLA FFI handler reads them where they are, each weight once for all N rows, from
-// the plain [L, d, f] layout or, streamed in order, from [L, f / 32, d, 32]. Threads: XLA's intra-op pool.
+// the plain [L, d, f] layout or, streamed in order, from [L, f / 32, d, 32] (f32, or bf16 widened exactly). Threads: XLA's intra-op pool.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -12,17 +12,32 @@
 namespace ffi = xla::ffi;
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
 constexpr int64_t kCols = 32, kRows = 8;
+
+// 32 consecutive weights as two f32 vectors: f32 as stored, bf16 (uint16 bits) widened exactly.
+static inline void LoadW(const float* w, v16& w0, v16& w1) {
+  __builtin_memcpy(&w0, w, sizeof(v16));
+  __builtin_memcpy(&w1, w + 16, sizeof(v16));
+}
+static inline void LoadW(const uint16_t* w, v16& w0, v16& w1) {
+  vh16 h0, h1;
+  __builtin_memcpy(&h0, w, sizeof(vh16));
+  __builtin_memcpy(&h1, w + 16, sizeof(vh16));
+  const vu16 u0 = __builtin_convertvector(h0, vu16) << 16, u1 = __builtin_convertvector(h1, vu16) << 16;
+  __builtin_memcpy(&w0, &u0, sizeof(v16));
+  __builtin_memcpy(&w1, &u1, sizeof(v16));
+}
 
 // y[r0 : r0 + R, j : j + 32] over all of d, in 2R AVX-512 registers (R fixed: fully unrolled);
 // W points at the tile's first row, ws is the step between its rows.
-template <int R>
-static void Tile(const float* X, const float* W, int64_t ws, float* Y, int64_t d, int64_t f, int64_t r0, int64_t j) {
+template <int R, typename T>
+static void Tile(const float* X, const T* W, int64_t ws, float* Y, int64_t d, int64_t f, int64_t r0, int64_t j) {
   v16 acc[R][2] = {};
   for (int64_t k = 0; k < d; ++k) {
     v16 w0, w1;
-    __builtin_memcpy(&w0, W + k * ws, sizeof(v16));
-    __builtin_memcpy(&w1, W + k * ws + 16, sizeof(v16));
+    LoadW(W + k * ws, w0, w1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float a = X[(r0 + r) * d + k];
@@ -36,8 +51,8 @@ static void Tile(const float* X, const float* W, int64_t ws, float* Y, int64_t d
   }
 }
 
-template <bool kPacked>
-static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+template <bool kPacked, ffi::DataType kW, typename T>
+static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kW> w, ffi::Buffer<ffi::S32> layer,
                                     ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
@@ -48,7 +63,7 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const int64_t n = xd[0], d = xd[1], f = kPacked ? wd[1] * kCols : wd[2];
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error(ffi::ErrorCode::kOutOfRange, "stacked_matmul: layer out of range");
-  const float* W = w.typed_data() + l * d * f;
+  const T* W = reinterpret_cast<const T*>(w.untyped_data()) + l * d * f;
   const int64_t ws = kPacked ? kCols : f;
   const float* X = x.typed_data();
   float* Y = y->typed_data();
@@ -57,7 +72,7 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const int64_t tiles = f / kCols;
   auto run = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float* tile = kPacked ? W + t * d * kCols : W + t * kCols;
+      const T* tile = kPacked ? W + t * d * kCols : W + t * kCols;
       for (int64_t r0 = 0; r0 < n; r0 += kRows) {
         switch (std::min(kRows, n - r0)) {
           case 1: Tile<1>(X, tile, ws, Y, d, f, r0, t * kCols); break;
@@ -85,20 +100,22 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   for (int64_t j = tiles * kCols; j < f; ++j) {      // columns past the last full tile (plain layout only)
     for (int64_t r = 0; r < n; ++r) {
       float s = 0.0f;
-      for (int64_t k = 0; k < d; ++k) s += X[r * d + k] * W[k * f + j];
+      for (int64_t k = 0; k < d; ++k) s += X[r * d + k] * static_cast<float>(W[k * f + j]);
       Y[r * f + j] = s;
     }
   }
   return ffi::Error::Success();
 }
 
-#define HSD_BIND                                  \
+#define HSD_BIND(W)                               \
   ffi::Ffi::Bind()                                \
       .Ctx<ffi::ThreadPool>()                     \
       .Arg<ffi::Buffer<ffi::F32>>()               \
-      .Arg<ffi::Buffer<ffi::F32>>()               \
+      .Arg<ffi::Buffer<W>>()                      \
       .Arg<ffi::Buffer<ffi::S32>>()               \
       .Ret<ffi::Buffer<ffi::F32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmul, StackedMatmulImpl<false>, HSD_BIND);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPacked, StackedMatmulImpl<true>, HSD_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmul, (StackedMatmulImpl<false, ffi::F32, float>), HSD_BIND(ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPacked, (StackedMatmulImpl<true, ffi::F32, float>), HSD_BIND(ffi::F32));
+// bf16 weights (the LM head's screen, `llama.screened_argmax`): half the bytes, widened to f32 in registers
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPackedBF16, (StackedMatmulImpl<true, ffi::BF16, uint16_t>), HSD_BIND(ffi::BF16));

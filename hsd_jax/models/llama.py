@@ -21,7 +21,7 @@ from hsd_jax import cpu_kernels
 from hsd_jax.cache import KVCache, write_layer
 from hsd_jax.config import ModelConfig
 from hsd_jax.models.layers import RMSNorm, SwiGLU, apply_rope, init_program, jnp_dtype, rms_norm, rope_inv_freq
-from pallas_kernels.tree_attention import resolve_attention_impl, tree_attention
+from pallas_kernels.tree_attention import ancestor_mask, resolve_attention_impl, tree_attention
 
 
 class ForwardOutput(NamedTuple):
@@ -79,10 +79,16 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, t, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def __call__(self, x, positions, cache_k, cache_v, layer, lengths, parents):
+    def __call__(self, x, positions, cache_k, cache_v, layer, lengths, parents, ancestors=None):
+        """ancestors [B, T, T] (given only where `cpu_kernels.tree_attention` serves this forward):
+        attention reads the stacked cache in place with that visibility; parents is then unused."""
         q, k, v = self.project(x, positions)
         cache_k = write_layer(cache_k, layer, k, lengths)
         cache_v = write_layer(cache_v, layer, v, lengths)
+        if ancestors is not None:
+            attn = cpu_kernels.tree_attention(q, cache_k, cache_v, layer, lengths, ancestors,
+                                              1.0 / math.sqrt(self.cfg.head_dim)).astype(q.dtype)
+            return self.output(x, attn), cache_k, cache_v
         k_l, v_l = cache_k[layer], cache_v[layer]
         if parents is None:
             attn = causal_attention(q, k_l, v_l, lengths)
@@ -137,15 +143,20 @@ def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: 
     """`forward` from input vectors x [B, T, d] instead of token ids (drafters feed features)."""
     layer = DecoderLayer(cfg)
     feature_layers = jnp.asarray(cfg.feature_layers, jnp.int32)
-    packed = params.get("packed_kernels") if x.shape[0] * x.shape[1] <= cpu_kernels.MAX_ROWS else None
+    b, t = x.shape[:2]
+    packed = params.get("packed_kernels") if b * t <= cpu_kernels.MAX_ROWS else None
+    # with packed stacks the CPU kernels read this layer's weights and cache in place (no copies)
+    ancestors = None
+    if packed and cpu_kernels.attention_supported(cache.k.dtype, cfg.head_dim):
+        ancestors = (jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)) if parents is None
+                     else ancestor_mask(parents))
 
     def body(carry, inputs):
         x, ck, cv = carry
         p, idx = inputs
-        # with packed stacks, the CPU kernel reads this layer's weights in place (no copy)
         kernel = nn.intercept_methods(cpu_kernels.dense_interceptor(packed, idx)) if packed else contextlib.nullcontext()
         with kernel:
-            x, ck, cv = layer.apply({"params": p}, x, positions, ck, cv, idx, cache.lengths, parents)
+            x, ck, cv = layer.apply({"params": p}, x, positions, ck, cv, idx, cache.lengths, parents, ancestors)
         return (x, ck, cv), (x if cfg.feature_layers else None)
 
     (x, ck, cv), per_layer = jax.lax.scan(
@@ -202,7 +213,7 @@ def serving_logits(params: dict, cfg: ModelConfig, features: jax.Array) -> jax.A
 class HeadScreen(NamedTuple):
     """A bf16 copy of a tied f32 LM head and the norms that bound its error, built once per
     `generate` call (one pass over the embedding) for `serving_argmax`."""
-    weight: jax.Array       # [V, d] bf16(E)
+    weight: jax.Array       # [V, d] bf16(E), or its packed copy [1, V / 32, d, 32] for cpu_kernels
     norm: jax.Array         # [V] ||bf16(E_v)||
     err_norm: jax.Array     # [V] ||E_v - bf16(E_v)||
 
@@ -215,14 +226,19 @@ SCREEN_SAFETY, SCREEN_SLACK = 2.0, 1e-3
 
 
 def head_screen(params: dict, cfg: ModelConfig, rows: int) -> HeadScreen | None:
-    """The screen for a greedy verify over `rows` rows, or None where the f32 head is already the
-    fastest form (see `streams_head_rows`: the same condition)."""
-    if not streams_head_rows(cfg, rows):
+    """The screen for a greedy step or verify over `rows` rows, or None where the f32 head is
+    already the fastest form. With the CPU kernels' packed screen (`api.serving_params`) every
+    row count they serve, one row included: the kernel streams the bf16 head at memory speed,
+    half the bytes of the f32 GEMV. Else 2-32 rows on the CPU (`streams_head_rows`)."""
+    packed = params.get("packed_kernels", {}).get("head_screen")
+    kernel = packed is not None and rows <= cpu_kernels.MAX_ROWS
+    if not (kernel or streams_head_rows(cfg, rows)):
         return None
     e = params["embed_tokens"]["embedding"].astype(jnp.float32)
     eb = e.astype(jnp.bfloat16)
     ebf = eb.astype(jnp.float32)
-    return HeadScreen(eb, jnp.sqrt(jnp.sum(ebf * ebf, -1)), jnp.sqrt(jnp.sum(jnp.square(e - ebf), -1)))
+    return HeadScreen(packed if kernel else eb, jnp.sqrt(jnp.sum(ebf * ebf, -1)),
+                      jnp.sqrt(jnp.sum(jnp.square(e - ebf), -1)))
 
 
 def screened_argmax(params: dict, cfg: ModelConfig, features: jax.Array, screen: HeadScreen,
@@ -238,7 +254,10 @@ def screened_argmax(params: dict, cfg: ModelConfig, features: jax.Array, screen:
     h = final_norm(params, cfg, features).astype(jnp.float32)
     hb = h.astype(jnp.bfloat16)
     hbf = hb.astype(jnp.float32)
-    s = jnp.einsum("nd,vd->nv", hb, screen.weight, preferred_element_type=jnp.float32)
+    if screen.weight.ndim == 2:
+        s = jnp.einsum("nd,vd->nv", hb, screen.weight, preferred_element_type=jnp.float32)
+    else:
+        s = cpu_kernels.stacked_matmul(hbf, screen.weight, 0)[:, :screen.norm.shape[0]]
     # The barrier keeps XLA:CPU's top-k kernel: with its outputs sliced further it becomes a full
     # sort (15x slower). Only on the indices: a barrier on top-k's tuple crashes the SPMD partitioner.
     cand = jax.lax.optimization_barrier(jax.lax.top_k(s, candidates)[1])

@@ -1,0 +1,208 @@
+// Decode and verify attention over the target's stacked KV cache, read in place (hsd_jax.cpu_kernels).
+// XLA:CPU copies a layer's [B, Hkv, S, Dh] cache out of the [L, ...] stack, transposes it and scores every
+// one of the S slots (BENCHMARKS.md, "The attention kernel"); this XLA FFI handler reads only the slots a
+// query can see: the committed prefix [0, lengths[b]) and the new tokens [lengths[b], lengths[b] + N) that
+// are its ancestors (or itself) in the draft tree. A chain (N = 1 included) is causal attention.
+// One task per (sequence, query head): K and V of its kv head are streamed once for all N rows.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 Load(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof(v16));
+  return v;
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+static inline v16 Splat(float x) { return v16{} + x; }
+
+static inline float Sum(v16 v) {
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline float Max(v16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp(x) for x <= 0 (Cephes' single-precision polynomial, ~1 ulp), exactly 0 where x is -inf (hidden slots)
+static inline v16 Exp(v16 x) {
+  const v16 xc = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  const v16 n = (xc * Splat(1.44269504088896341f) + Splat(12582912.0f)) - Splat(12582912.0f);
+  const v16 r = xc - n * Splat(0.693359375f) - n * Splat(-2.12194440e-4f);
+  v16 p = Splat(1.9875691500e-4f);
+  p = p * r + Splat(1.3981999507e-3f);
+  p = p * r + Splat(8.3334519073e-3f);
+  p = p * r + Splat(4.1665795894e-2f);
+  p = p * r + Splat(1.6666665459e-1f);
+  p = p * r + Splat(5.0000001201e-1f);
+  p = p * r * r + r + Splat(1.0f);
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  v16 two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof(v16));
+  return x == Splat(-kInf) ? Splat(0.0f) : p * two_n;
+}
+
+// The 16 dot products of 16 slot accumulators (acc[j] holds slot j's products lane by lane), in slot order.
+static inline v16 Reduce16(const v16* acc) {
+  v16 t[8], u[4], w[2];
+  for (int p = 0; p < 8; ++p)
+    t[p] = __builtin_shufflevector(acc[2 * p], acc[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(acc[2 * p], acc[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int p = 0; p < 4; ++p)
+    u[p] = __builtin_shufflevector(t[2 * p], t[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(t[2 * p], t[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int p = 0; p < 2; ++p)
+    w[p] = __builtin_shufflevector(u[2 * p], u[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(u[2 * p], u[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// out[n, dh] (dh = 16 VECS) for query rows q[n, dh] of one query head over its kv head's K, V [s, dh]: scores
+// of slots [0, end) 16 at a time, hidden ones set to -inf, a softmax per row, then the weighted sum of V with
+// 4 rows' outputs in registers. Slots past `end` are never read (the last block re-reads slot end - 1).
+template <int VECS>
+static void Head(const float* q, const float* K, const float* V, const int32_t* anc, int64_t n, int64_t len,
+                 int64_t end, float scale, float* out, std::vector<float>& sc) {
+  constexpr int64_t dh = 16 * VECS;
+  const int64_t stride = (end + 15) / 16 * 16;
+  sc.resize(n * stride);
+  for (int64_t j0 = 0; j0 < end; j0 += 16) {
+    const float* ks[16];
+    for (int jj = 0; jj < 16; ++jj) ks[jj] = K + std::min(j0 + jj, end - 1) * dh;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* qi = q + i * dh;
+      v16 acc[16] = {};
+      for (int c = 0; c < VECS; ++c) {
+        const v16 qc = Load(qi + 16 * c);
+        for (int jj = 0; jj < 16; ++jj) acc[jj] += qc * Load(ks[jj] + 16 * c);
+      }
+      v16 scores = Reduce16(acc) * Splat(scale);
+      if (j0 + 16 > len) {                    // the block holds new tokens (or slots past end): hide the others
+        for (int jj = 0; jj < 16; ++jj) {
+          const int64_t j = j0 + jj;
+          if (j >= end || (j >= len && !anc[i * n + (j - len)])) scores[jj] = -kInf;
+        }
+      }
+      __builtin_memcpy(sc.data() + i * stride + j0, &scores, sizeof(v16));
+    }
+  }
+  std::vector<float> inv(n);
+  for (int64_t i = 0; i < n; ++i) {           // softmax numerators and 1 / denominators per row
+    float* row = sc.data() + i * stride;
+    v16 vm = Splat(-kInf);
+    for (int64_t j = 0; j < stride; j += 16) {
+      const v16 x = Load(row + j);
+      vm = x > vm ? x : vm;
+    }
+    const float top = Max(vm);
+    if (top == -kInf) {                       // a token written past the capacity: sees nothing, outputs 0
+      std::fill(row, row + stride, 0.0f);
+      inv[i] = 0.0f;
+      continue;
+    }
+    v16 l = {};
+    for (int64_t j = 0; j < stride; j += 16) {
+      const v16 e = Exp(Load(row + j) - Splat(top));
+      __builtin_memcpy(row + j, &e, sizeof(v16));
+      l += e;
+    }
+    inv[i] = 1.0f / Sum(l);
+  }
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, n - i0);
+    v16 acc[4][VECS] = {};
+    for (int64_t j = 0; j < end; ++j) {
+      v16 v[VECS];
+      for (int c = 0; c < VECS; ++c) v[c] = Load(V + j * dh + 16 * c);
+      for (int64_t r = 0; r < rows; ++r) {
+        const v16 p = Splat(sc[(i0 + r) * stride + j]);
+        for (int c = 0; c < VECS; ++c) acc[r][c] += p * v[c];
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int c = 0; c < VECS; ++c) {
+        const v16 o = acc[r][c] * Splat(inv[i0 + r]);
+        __builtin_memcpy(out + (i0 + r) * dh + 16 * c, &o, sizeof(v16));
+      }
+  }
+}
+
+using HeadFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, float,
+                        float*, std::vector<float>&);
+static constexpr HeadFn kHeads[] = {Head<1>, Head<2>, Head<3>, Head<4>, Head<5>, Head<6>, Head<7>, Head<8>};
+constexpr int64_t kMaxHeadDim = 128;
+
+static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
+                                    ffi::Buffer<ffi::S32> ancestors, float scale, ffi::ResultBuffer<ffi::F32> out) {
+  // q [B, Hq, N, Dh]; k, v [L, B, Hkv, S, Dh]; lengths [B]; ancestors [B, N, N] (nonzero: a is i's ancestor or i)
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  const auto ad = ancestors.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || ad.size() != 3 || kd[1] != qd[0] || kd[4] != qd[3] || qd[3] % 16 != 0 || qd[3] > kMaxHeadDim ||
+      qd[1] % kd[2] != 0 || ad[0] != qd[0] || ad[1] != qd[2] || ad[2] != qd[2] || lengths.element_count() != qd[0])
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "tree_attention: bad shapes");
+  const int64_t b = qd[0], hq = qd[1], n = qd[2], dh = qd[3], hkv = kd[2], s = kd[3], group = hq / hkv;
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= kd[0]) return ffi::Error(ffi::ErrorCode::kOutOfRange, "tree_attention: layer out of range");
+  const float* Q = q.typed_data();
+  const float* Kl = k.typed_data() + l * b * hkv * s * dh;
+  const float* Vl = v.typed_data() + l * b * hkv * s * dh;
+  const int32_t* lens = lengths.typed_data();
+  const int32_t* anc = ancestors.typed_data();
+  float* O = out->typed_data();
+  const int64_t tasks = b * hq;
+  std::atomic<int64_t> next(0);
+  auto run = [&] {
+    std::vector<float> sc;
+    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
+      const int64_t bi = t / hq, h = t % hq, kvh = h / group;
+      const int64_t len = std::clamp<int64_t>(lens[bi], 0, s), end = std::min<int64_t>(len + n, s);
+      const int64_t kv = (bi * hkv + kvh) * s * dh;
+      kHeads[dh / 16 - 1](Q + t * n * dh, Kl + kv, Vl + kv, anc + bi * n * n, n, len, end, scale, O + t * n * dh, sc);
+    }
+  };
+  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), tasks) - 1);
+  std::atomic<int64_t> pending(helpers);
+  for (int64_t p = 0; p < helpers; ++p) {
+    pool.Schedule([&] {
+      run();
+      pending.fetch_sub(1, std::memory_order_release);
+    });
+  }
+  run();
+  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeAttention, TreeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
