@@ -1,5 +1,8 @@
-"""Tree attention (the XLA reference) by new rows and cache capacity, 30 SmolLM2-shaped layers,
-against a multiply-and-reduce form of its score product (the trick that streams the LM head).
+"""Tree attention by new rows and cache capacity, 30 SmolLM2-shaped layers over a stacked cache as
+the model holds it ([L, B, Hkv, S, Dh], 64 slots free): the XLA reference (on the layer's slice of
+the stack, as the model runs it), a multiply-and-reduce form of its score product (the trick that
+streams the LM head), and `hsd_jax.cpu_kernels.tree_attention` (reads the stack in place, only
+the visible slots) where it builds.
 
     python benchmarks/attention_rows.py [--capacities 640,1664] [--rows 1,4,8]
 """
@@ -13,7 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.tree_attention import MASK_VALUE, _default_scale, _visible_mask, tree_attention_reference
+from hsd_jax import cpu_kernels
+from pallas_kernels.tree_attention import (
+    MASK_VALUE,
+    _default_scale,
+    _visible_mask,
+    ancestor_mask,
+    tree_attention_reference,
+)
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
@@ -43,9 +53,15 @@ def main(argv=None) -> None:
             k, v = (jnp.asarray(rng.normal(size=(LAYERS, 1, KV_HEADS, s, HEAD_DIM)), jnp.float32) for _ in range(2))
             lengths = jnp.asarray([s - 64], jnp.int32)
             parents = jnp.asarray([np.arange(-1, n - 1)], jnp.int32)
+            forms = {"reference": lambda q, k, v, l: tree_attention_reference(q, k[l], v[l], lengths, parents),
+                     "multiply_reduce": lambda q, k, v, l: multiply_reduce(q, k[l], v[l], lengths, parents)}
+            if cpu_kernels.enabled():
+                anc = ancestor_mask(parents)
+                forms["cpu_kernel"] = lambda q, k, v, l: cpu_kernels.tree_attention(q, k, v, l, lengths, anc, HEAD_DIM ** -0.5)
             row = {}
-            for name, fn in (("reference", tree_attention_reference), ("multiply_reduce", multiply_reduce)):
-                run = jax.jit(lambda q, k, v, fn=fn: jax.lax.map(lambda x: fn(*x, lengths, parents), (q, k, v)))
+            for name, fn in forms.items():
+                run = jax.jit(lambda q, k, v, fn=fn: jax.lax.map(lambda x: fn(x[0], k, v, x[1]),
+                                                                 (q, jnp.arange(LAYERS, dtype=jnp.int32))))
                 out = run(q, k, v).block_until_ready()
                 times = []
                 for _ in range(a.repeats):
@@ -53,9 +69,9 @@ def main(argv=None) -> None:
                     run(q, k, v).block_until_ready()
                     times.append(time.perf_counter() - t0)
                 row[name] = (round(statistics.median(times) * 1e3, 2), out)
-            diff = float(jnp.max(jnp.abs(row["reference"][1] - row["multiply_reduce"][1])))
-            print(f"capacity {s}, {n} rows: reference {row['reference'][0]} ms, multiply-reduce "
-                  f"{row['multiply_reduce'][0]} ms ({LAYERS} layers), max |diff| {diff:.1e}", flush=True)
+            print(f"capacity {s}, {n} rows ({LAYERS} layers): " + ", ".join(
+                f"{name} {ms} ms (max |diff| {float(jnp.max(jnp.abs(out - row['reference'][1]))):.1e})"
+                for name, (ms, out) in row.items()), flush=True)
 
 
 if __name__ == "__main__":

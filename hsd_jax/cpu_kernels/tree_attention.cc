@@ -31,10 +31,20 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 static inline v16 Splat(float x) { return v16{} + x; }
 
+#if defined(__clang__) || __GNUC__ >= 12
+#define HSD_SHUFFLE 1      // __builtin_shufflevector: horizontal sums as shuffle trees
+#endif
+
 static inline float Sum(v16 v) {
+#ifdef HSD_SHUFFLE
   v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+#endif
 }
 
 static inline float Max(v16 v) {
@@ -63,6 +73,7 @@ static inline v16 Exp(v16 x) {
 
 // The 16 dot products of 16 slot accumulators (acc[j] holds slot j's products lane by lane), in slot order.
 static inline v16 Reduce16(const v16* acc) {
+#ifdef HSD_SHUFFLE
   v16 t[8], u[4], w[2];
   for (int p = 0; p < 8; ++p)
     t[p] = __builtin_shufflevector(acc[2 * p], acc[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -75,6 +86,11 @@ static inline v16 Reduce16(const v16* acc) {
            __builtin_shufflevector(u[2 * p], u[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  v16 r;
+  for (int j = 0; j < 16; ++j) r[j] = Sum(acc[j]);
+  return r;
+#endif
 }
 
 // out[n, dh] (dh = 16 VECS) for query rows q[n, dh] of one query head over its kv head's K, V [s, dh]: scores

@@ -225,13 +225,18 @@ SCREEN_CANDIDATES = 16
 SCREEN_SAFETY, SCREEN_SLACK = 2.0, 1e-3
 
 
+# Above 16 rows the kernel's screen stops beating the streamed f32 head (benchmarks/verify_cost.py:
+# 32 and 64 rows 8% slower): the products, top-k and candidates outgrow the bytes saved.
+SCREEN_KERNEL_MAX_ROWS = 16
+
+
 def head_screen(params: dict, cfg: ModelConfig, rows: int) -> HeadScreen | None:
     """The screen for a greedy step or verify over `rows` rows, or None where the f32 head is
-    already the fastest form. With the CPU kernels' packed screen (`api.serving_params`) every
-    row count they serve, one row included: the kernel streams the bf16 head at memory speed,
-    half the bytes of the f32 GEMV. Else 2-32 rows on the CPU (`streams_head_rows`)."""
+    already the fastest form. With the CPU kernels' packed screen (`api.serving_params`) 1-16 rows,
+    one row included: the kernel streams the bf16 head at memory speed, half the bytes of the f32
+    GEMV. Else (and above 16 rows) 2-32 rows on the CPU as XLA's bf16 dot (`streams_head_rows`)."""
     packed = params.get("packed_kernels", {}).get("head_screen")
-    kernel = packed is not None and rows <= cpu_kernels.MAX_ROWS
+    kernel = packed is not None and rows <= SCREEN_KERNEL_MAX_ROWS
     if not (kernel or streams_head_rows(cfg, rows)):
         return None
     e = params["embed_tokens"]["embedding"].astype(jnp.float32)
