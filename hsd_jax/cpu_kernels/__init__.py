@@ -1,4 +1,5 @@
-"""CPU kernels for the target's layers at decode and verify sizes (1-64 rows): matmuls and attention.
+"""CPU kernels for the target at decode and verify sizes (1-64 rows): layer matmuls, tree attention
+and the LM head's bf16 screen.
 
 Inside the layer `lax.scan`, XLA:CPU copies each layer's weight matrices out of the stacked
 [L, d, f] arrays before its GEMM whenever a forward has 2+ rows: as much time as the products
@@ -10,7 +11,9 @@ prefill and training keep XLA's dots.
 
 `tree_attention.cc` likewise reads a layer's K/V from the stacked cache in place, and only the
 slots a query sees (the committed prefix and its ancestors among the new tokens), where XLA
-copies the layer's cache out of the stack and scores every slot up to the capacity.
+copies the layer's cache out of the stack and scores every slot up to the capacity. The matmul
+handler also takes bf16 weights (widened exactly in registers): the greedy head's certified
+screen (`llama.screened_argmax`) streams a packed bf16 copy of the embedding with it.
 
 Built on first use with the system C++ compiler against the running jaxlib's FFI headers (so
 the binary always matches the installed jaxlib and this CPU), cached in the user cache folder.
