@@ -57,7 +57,8 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
     d = load_drafter("hsd", target=t, random_init=True, seed=1)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 64, size=n).tolist() for n in (2, 9, 17)]
-    spec = dict(method="hsd", drafter=d, tree_nodes=6, tree_depth=3, tree_top_k=2)
+    # 3 x 5 verify rows: within the kernel screen's 16 (llama.SCREEN_KERNEL_MAX_ROWS)
+    spec = dict(method="hsd", drafter=d, tree_nodes=4, tree_depth=3, tree_top_k=2)
     texts = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("HSD_CPU_KERNELS", flag)

@@ -44,7 +44,7 @@ def test_screen_certifies_real_features_and_agrees_with_f32(smol, mt_prompts, fo
     _, out = llama.forward_logits(smol.params, cfg, seq, jnp.arange(seq.shape[1])[None], cache)
     feats = out.features[0, len(ids) - 1:]
     params = screen_params(smol.params, form)
-    screen = llama.head_screen(params, cfg, 32)
+    screen = llama.head_screen(params, cfg, 16)
     assert screen.weight.ndim == (2 if form == "xla" else 4)
     certified = []
     for i in range(0, feats.shape[0] - 15, 16):
