@@ -2,7 +2,7 @@
 the stacked layer weights in place (`stacked_matmul.cc`, an XLA FFI handler) beat XLA's
 copy-then-GEMM for a few rows? (The probe that led to adopting it, issue 19.)
 
-Builds the handler with the system C++ compiler into a temporary folder (both layouts), then times SmolLM2-135M's 30 MLPs (d 576, f 1536) over N rows inside one
+Uses the package's kernel library (both layouts), then times SmolLM2-135M's 30 MLPs (d 576, f 1536) over N rows inside one
 `lax.scan`, as the target's forward runs them: XLA's dots on the scan's weight slices against
 the FFI handler on the whole stacks, as stored and pre-packed in 32-column tiles. Interleaved, medians; outputs compared.
 
@@ -13,44 +13,30 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).parents[1] / "hsd_jax" / "cpu_kernels" / "stacked_matmul.cc"
+from hsd_jax import cpu_kernels
 
 
-def build() -> None:
-    out = Path(tempfile.mkdtemp(prefix="hsd_ffi_probe_")) / "stacked_matmul.so"
-    cmd = ["g++", "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}",
-           str(SOURCE), "-o", str(out)]
-    subprocess.run(cmd, check=True)
-    lib = ctypes.cdll.LoadLibrary(str(out))
+def register_plain_layout() -> None:
+    """The package's kernel library (built on first use) also holds the handler for the weights as
+    stored ([L, d, f]), which the package never calls: register it for the comparison."""
+    if not cpu_kernels.enabled():
+        raise SystemExit("the CPU kernels could not be built here (see the warning above)")
+    lib = ctypes.cdll.LoadLibrary(cpu_kernels._library_path())
     jax.ffi.register_ffi_target("hsd_stacked_matmul", jax.ffi.pycapsule(lib.StackedMatmul), platform="cpu")
-    jax.ffi.register_ffi_target("hsd_stacked_matmul_packed", jax.ffi.pycapsule(lib.StackedMatmulPacked), platform="cpu")
-
-
-COLS = 32
 
 
 def stacked_matmul(x, w, layer):
-    """x [N, d] @ w[layer]: w [L, d, f] (plain) or [L, f / 32, d, 32] (packed)."""
-    packed = w.ndim == 4
-    f = w.shape[1] * COLS if packed else w.shape[2]
-    name = "hsd_stacked_matmul_packed" if packed else "hsd_stacked_matmul"
-    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], f), x.dtype))(
+    """x [N, d] @ w[layer]: w [L, d, f] (plain) or [L, f / 32, d, 32] (packed: the package's call)."""
+    if w.ndim == 4:
+        return cpu_kernels.stacked_matmul(x, w, layer)
+    return jax.ffi.ffi_call("hsd_stacked_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype))(
         x, w, jnp.asarray(layer, jnp.int32).reshape(1))
-
-
-def pack(w):
-    """[L, d, f] -> [L, f / 32, d, 32]: each 32-column tile contiguous, streamed in order."""
-    L, d, f = w.shape
-    return jnp.asarray(np.ascontiguousarray(np.asarray(w).reshape(L, d, f // COLS, COLS).transpose(0, 2, 1, 3)))
 
 
 def mlps_xla(x, wg, wu, wd):
@@ -75,12 +61,12 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=1536)
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
-    build()
+    register_plain_layout()
     rng = np.random.default_rng(0)
     L, d, f = args.layers, args.hidden, args.inter
     wg, wu = (jnp.asarray(rng.normal(0, 0.04, (L, d, f)), jnp.float32) for _ in range(2))
     wd = jnp.asarray(rng.normal(0, 0.03, (L, f, d)), jnp.float32)
-    plain, packed = (wg, wu, wd), (pack(wg), pack(wu), pack(wd))
+    plain, packed = (wg, wu, wd), tuple(jnp.asarray(cpu_kernels.pack(w)) for w in (wg, wu, wd))
     runs = {}
     for n in map(int, args.sizes.split(",")):
         x = jnp.asarray(rng.normal(0, 1, (n, d)), jnp.float32)

@@ -25,7 +25,7 @@ class Target:
     tokenizer: Any
     max_cache_len: int
     name: str
-    _packed: Any = dataclasses.field(default=None, repr=False, compare=False)   # (params, cpu_kernels.pack_layers)
+    _packed: Any = dataclasses.field(default=None, repr=False, compare=False)   # (params, their cpu_kernels packed copies)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:

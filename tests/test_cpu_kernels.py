@@ -68,9 +68,9 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
         assert hsd == ar
         texts[flag] = (ar, [exe.as_text() for exe in api._COMPILED.values()])
     assert texts["0"][0] == texts["1"][0]
-    for target in cpu_kernels.TARGETS:
-        assert all(target not in txt for txt in texts["0"][1])
-        assert all(target in txt for txt in texts["1"][1])     # decode and verify both run it
+    for target in cpu_kernels.TARGETS:       # quoted: one target's name is a prefix of another's
+        assert all(f'"{target}"' not in txt for txt in texts["0"][1])
+        assert all(f'"{target}"' in txt for txt in texts["1"][1])     # decode and verify both run it
 
 
 def test_a_failed_build_falls_back_to_xla_with_one_warning(tmp_path):
