@@ -178,6 +178,26 @@ def serving_params(target: Target) -> dict:
     return dict(target.params, packed_kernels=target._packed[1])
 
 
+def serving_drafter_params(drafter: Drafter, target: Target):
+    """A feature drafter's (hsd, eagle) params for decoding beside `serving_params(target)`: with
+    its layers' packed weights and its draft-vocab head packed (`packed_kernels["draft_head"]`,
+    read through `TargetView.packed_head`), built once per drafter and target, when the target is
+    served with the CPU kernels and the drafter is f32; else as loaded."""
+    from hsd_jax.models.drafter import DrafterConfig, pack_draft_head
+
+    params = drafter.params
+    if (not isinstance(drafter.config, DrafterConfig) or target.config.dtype != "float32"
+            or params["layers"]["mlp"]["down_proj"]["kernel"].dtype != jnp.float32 or not cpu_kernels.enabled()):
+        return params
+    if drafter._packed is None or drafter._packed[0] is not params or drafter._packed[1] is not target.params:
+        packed = cpu_kernels.pack_layers(params["layers"])
+        head = pack_draft_head(target.params, target.config, drafter.d2t)
+        if head is not None:
+            packed["draft_head"] = head
+        drafter._packed = (params, target.params, packed)
+    return dict(params, packed_kernels=drafter._packed[2])
+
+
 def compiled(fn, args, static: dict, options: dict | None = None):
     """AOT-compile `fn` for these argument shapes once (with XLA compiler `options`); returns
     (executable, compile seconds now)."""
@@ -388,7 +408,8 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         if getattr(drafter.config, "feature_layers", ()):  # the drafter reads these target layers' outputs
             tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
         d2t = np.zeros((1,), np.int32) if drafter.d2t is None else drafter.d2t
-        fn, args = engine.spec_generate, (tparams, drafter.params, d2t, tokens, lengths, key)
+        dparams = serving_drafter_params(drafter, target) if mesh is None else drafter.params
+        fn, args = engine.spec_generate, (tparams, dparams, d2t, tokens, lengths, key)
         static = dict(tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling,
                       max_new_tokens=int(max_new_tokens), capacity=capacity)
     if mesh is not None:

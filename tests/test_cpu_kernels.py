@@ -1,6 +1,7 @@
-"""The CPU kernels for the target's layers (hsd_jax.cpu_kernels): the matmul equal to XLA's dot,
-the tree attention equal to `tree_attention_reference`, both used by `generate` with the same
-tokens, and a clean fallback when they cannot be built."""
+"""The CPU kernels for the target's and the feature drafters' layers (hsd_jax.cpu_kernels): the
+matmul equal to XLA's dot, the tree attention equal to `tree_attention_reference`, the draft
+head equal to its dot, all used by `generate` with the same tokens, and a clean fallback when
+they cannot be built."""
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from hsd_jax import api, cpu_kernels, generate, load_drafter
+from hsd_jax.models import drafter as dmod
 from pallas_kernels.tree_attention import ancestor_mask, tree_attention_reference
 from tests.helpers import tiny_target
 
@@ -52,6 +54,10 @@ def test_tree_attention_equals_the_reference(head_dim, hq, hkv):
 
 
 @built
+def kernel_calls(texts) -> int:
+    return sum(txt.count('"hsd_stacked_matmul_packed"') for txt in texts)
+
+
 def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
     t = tiny_target(vocab=64, hidden=64, tie_word_embeddings=True)    # head_dim 16 (attention) and the head screen
     d = load_drafter("hsd", target=t, random_init=True, seed=1)
@@ -71,6 +77,32 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
     for target in cpu_kernels.TARGETS:       # quoted: one target's name is a prefix of another's
         assert all(f'"{target}"' not in txt for txt in texts["0"][1])
         assert all(f'"{target}"' in txt for txt in texts["1"][1])     # decode and verify both run it
+    # the drafter's layer and draft head run the kernel too: the same tokens, more kernel calls than
+    # with the drafter's params as loaded (the target's alone)
+    packed = api.serving_drafter_params(d, t)["packed_kernels"]
+    assert {"q_proj", "mlp/down_proj", "draft_head"} <= set(packed)
+    assert packed["draft_head"].shape == (1, len(d.d2t) // cpu_kernels.COLS, 64, cpu_kernels.COLS)
+    with monkeypatch.context() as m:
+        m.setattr(api, "serving_drafter_params", lambda drafter, target: drafter.params)
+        api._COMPILED.clear()
+        assert [r.token_ids for r in generate(t, prompts, max_new_tokens=24, **spec)] == texts["1"][0]
+        target_only = kernel_calls(exe.as_text() for exe in api._COMPILED.values())
+    api._COMPILED.clear()
+    assert [r.token_ids for r in generate(t, prompts, max_new_tokens=24, **spec)] == texts["1"][0]
+    assert kernel_calls(exe.as_text() for exe in api._COMPILED.values()) > target_only > 0
+
+
+@built
+def test_the_draft_head_through_the_kernel_equals_its_dot():
+    t = tiny_target(vocab=96, hidden=64, tie_word_embeddings=True)
+    d2t = np.random.default_rng(3).permutation(96)[:64].astype(np.int32)
+    view = dmod.target_view(t.params, t.config, d2t)
+    kview = view._replace(packed_head=dmod.pack_draft_head(t.params, t.config, d2t))
+    h = jnp.asarray(np.random.default_rng(4).normal(0, 1, (2, 40, 64)), jnp.float32)   # 80 rows: XLA's dot
+    for x in (h[0, :1], h[:, :3], h[0], h):
+        np.testing.assert_allclose(np.asarray(jax.jit(dmod.draft_logits)(kview, x)),
+                                   np.asarray(dmod.draft_logits(view, x)), rtol=1e-5, atol=1e-5)
+    assert dmod.pack_draft_head(t.params, t.config, d2t[:40]) is None   # not whole column tiles: XLA's dot
 
 
 def test_a_failed_build_falls_back_to_xla_with_one_warning(tmp_path):

@@ -1,5 +1,5 @@
 """CPU kernels for the target at decode and verify sizes (1-64 rows): layer matmuls, tree attention
-and the LM head's bf16 screen.
+and the LM head's bf16 screen; the feature drafters' layer and draft head run them too.
 
 Inside the layer `lax.scan`, XLA:CPU copies each layer's weight matrices out of the stacked
 [L, d, f] arrays before its GEMM whenever a forward has 2+ rows: as much time as the products

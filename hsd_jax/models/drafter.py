@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hsd_jax import cpu_kernels
 from hsd_jax.config import ModelConfig, _require
 from hsd_jax.models import llama
 from hsd_jax.models.layers import init_program, rms_norm
@@ -111,13 +112,34 @@ class TargetView(NamedTuple):
     norm_scale: jax.Array  # [d] final norm
     embedding: jax.Array   # [V, d] token embeddings
     d2t: jax.Array         # [V_d] draft id -> target id
+    packed_head: jax.Array | None = None   # `head` packed for cpu_kernels [1, V_d / 32, d, 32], when served so
 
 
-def target_view(target_params, target_cfg: ModelConfig, d2t) -> TargetView:
+def target_view(target_params, target_cfg: ModelConfig, d2t, packed_head=None) -> TargetView:
     head = llama.lm_head_weight(target_params, target_cfg)
     d2t = jnp.asarray(d2t, jnp.int32)
     return TargetView(jnp.take(head, d2t, axis=1), target_params["norm"]["scale"],
-                      target_params["embed_tokens"]["embedding"], d2t)
+                      target_params["embed_tokens"]["embedding"], d2t, packed_head)
+
+
+def pack_draft_head(target_params, target_cfg: ModelConfig, d2t) -> jax.Array | None:
+    """The draft-vocab head [d, V_d] packed for `cpu_kernels.stacked_matmul` (f32, exact), or None
+    when V_d is not a whole number of the kernel's column tiles."""
+    if len(d2t) % cpu_kernels.COLS:
+        return None
+    head = np.asarray(llama.lm_head_weight(target_params, target_cfg))
+    return jnp.asarray(cpu_kernels.pack(head[:, np.asarray(d2t)][None]))
+
+
+def draft_logits(view: TargetView, h: jax.Array) -> jax.Array:
+    """f32 logits over the draft vocabulary from normed features h [..., d]: through the packed
+    head with the CPU kernel at decode sizes (XLA:CPU repacks the 19 MB head on every 2+-row
+    GEMM), else XLA's dot."""
+    rows = int(np.prod(h.shape[:-1]))
+    if view.packed_head is not None and rows <= cpu_kernels.MAX_ROWS:
+        out = cpu_kernels.stacked_matmul(h.reshape(rows, h.shape[-1]), view.packed_head, 0)
+        return out.reshape(*h.shape[:-1], out.shape[-1])
+    return jnp.einsum("...d,dv->...v", h, view.head.astype(jnp.float32))
 
 
 def target_to_draft(d2t, vocab_size: int) -> np.ndarray:
@@ -176,8 +198,7 @@ def readout(params: dict, cfg: DrafterConfig, view: TargetView, g: jax.Array, to
         gf = fused_readout(params["inject"], gf, [e, *more], cfg.feature_rms)
     elif cfg.kind == "hsd":
         gf = gf + cfg.feature_rms * (e @ params["inject"]["w"])
-    h = rms_norm(gf, view.norm_scale, cfg.rms_norm_eps)
-    return jnp.einsum("...d,dv->...v", h, view.head.astype(jnp.float32))
+    return draft_logits(view, rms_norm(gf, view.norm_scale, cfg.rms_norm_eps))
 
 
 def input_features(params: dict, cfg: DrafterConfig, last: jax.Array, aux: jax.Array | None) -> jax.Array:
@@ -213,3 +234,4 @@ class Drafter:
     config: Any
     d2t: np.ndarray | None = None
     path: str | None = None
+    _packed: Any = dataclasses.field(default=None, repr=False, compare=False)   # (params, target params, packed copies)
