@@ -104,12 +104,14 @@ REUSE_POLICIES = ("none", "chain", "refresh")
 class SpecConfig:
     """Static shape of a speculative round. `tree_nodes` counts draft nodes (the root excluded);
     tree methods read tree_*, chain methods (sd) gamma; reuse is HSD's. `lookup_slots` M > 0
-    adds M prompt-lookup nodes to a tree method's tree, verified in the same forward, in the
-    rounds where some sequence's lookup match is at least `lookup_min_match` tokens long (0: every
-    round); the other rounds verify the method's own tree alone, M rows fewer. No match never
-    proposes an accepted token and a one-token match few (0.2-0.5 per round in most Spec-Bench
-    suites, against 0.8-4.3 for longer ones), so those rounds save the rows (BENCHMARKS.md, lookup
-    nodes only where the match is long)."""
+    adds M prompt-lookup nodes to a tree method's tree, verified in the same forward.
+
+    `lookup_min_match` n > 0: only rounds where some live sequence's lookup match is at least n
+    tokens long verify them, the others the method's tree alone, M rows fewer (no match never
+    proposes an accepted token, a one-token match few). The choice is a `lax.cond` around the
+    target forward, and XLA copies the KV cache into and out of a conditional whose branch loops
+    over it (the layer scan): on the CPU that copy costs more than the M rows at SmolLM2's size,
+    so 0 (every round, no conditional) is faster there (BENCHMARKS.md, "The conditional's copy")."""
 
     method: str = "hsd"
     reuse: str = "none"   # measured: none >= refresh in tau everywhere, refresh saves drafter steps (BENCHMARKS.md)
@@ -118,7 +120,7 @@ class SpecConfig:
     tree_top_k: int = 3
     gamma: int = 4
     lookup_slots: int = 0
-    lookup_min_match: int = 2
+    lookup_min_match: int = 0
     head_screen: bool = True   # T = 0 on the CPU: certified bf16 screen for the verify argmax (llama.serving_argmax)
 
     def __post_init__(self):
@@ -243,7 +245,9 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
     logits, out = prefill(tparams, tcfg, prompt_tokens, prompt_lens, tcache)
     key, sub = jax.random.split(key)
     root = sample(logits, sub, sampling)
-    view = drafter.target_view(tparams, tcfg, d2t) if method.drafter.has_draft_vocab else None
+    view = None
+    if method.drafter.has_draft_vocab:
+        view = drafter.target_view(tparams, tcfg, d2t, dparams.get("packed_kernels", {}).get("draft_head"))
     rnd = methods.Round(tparams, tcfg, dparams, dcfg, d2t, spec, sampling, prompt_tokens, prompt_lens, capacity, view)
     dstate = method.init(rnd, out, root)
     screens = {n: llama.head_screen(tparams, tcfg, b * n) if spec.head_screen and sampling.greedy else None
@@ -267,11 +271,14 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
                                  screens[tree.num_slots])
             return vout, acc
 
-        if spec.lookup_slots:   # the union when some live sequence's lookup match is long enough, else the own tree
+        if spec.lookup_slots:   # the union (every round, or when some live sequence's lookup match is long enough)
             union, matched = methods.lookup.attach(rnd, draft.tree, history, spec.lookup_slots)
             wide = jnp.any(live & (matched >= spec.lookup_min_match))
-            vout, acc = jax.lax.cond(wide, lambda: verify(union),
-                                     lambda: padded_verdict(*verify(draft.tree), spec.lookup_slots))
+            if spec.lookup_min_match:   # a lax.cond around the verify: XLA copies the KV cache into and out of it
+                vout, acc = jax.lax.cond(wide, lambda: verify(union),
+                                         lambda: padded_verdict(*verify(draft.tree), spec.lookup_slots))
+            else:
+                vout, acc = verify(union)
             draft = draft._replace(tree=union)   # slots of the own tree keep their index in the union
         else:
             vout, acc = verify(draft.tree)

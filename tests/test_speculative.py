@@ -13,7 +13,7 @@ from tests.helpers import bigram_target, jax_logits, tiny_target, zero_layers
 
 METHODS = [("hsd", dict(reuse="none")), ("hsd", dict(reuse="chain")), ("hsd", dict(reuse="refresh")),
            ("eagle", {}), ("eagle3", {}), ("sd", {}), ("ngram", {}), ("lookup", {})]
-HYBRID = [("hsd", dict(lookup_slots=3)), ("eagle", dict(lookup_slots=2, lookup_min_match=0))]   # + prompt-lookup nodes
+HYBRID = [("hsd", dict(lookup_slots=3, lookup_min_match=2)), ("eagle", dict(lookup_slots=2, lookup_min_match=0))]   # + prompt-lookup nodes
 
 
 def _chain(method):
