@@ -36,7 +36,7 @@ def stacked_matmul(x, w, layer):
     if w.ndim == 4:
         return cpu_kernels.stacked_matmul(x, w, layer)
     return jax.ffi.ffi_call("hsd_stacked_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype))(
-        x, w, jnp.asarray(layer, jnp.int32).reshape(1))
+        x, w, jnp.asarray(layer, jnp.int32).reshape(1), jnp.ones((x.shape[0],), jnp.int32))
 
 
 def mlps_xla(x, wg, wu, wd):

@@ -345,8 +345,7 @@ def _add_tune(sub):
                    help="prompt-lookup node counts tried with each finalist tree (default 0,4)")
     p.add_argument("--lookup-min-match", default=str(SpecConfig.lookup_min_match), metavar="N,N",
                    help="shortest lookup matches tried with the lookup nodes (default "
-                        f"{SpecConfig.lookup_min_match}: every round; 0,2 also tries verifying them only after a "
-                        "2-token match, which pays where a KV-cache copy is cheaper than the rows, e.g. a GPU)")
+                        f"{SpecConfig.lookup_min_match}; 0,2 where verify rows are nearly free, e.g. a GPU)")
     p.set_defaults(func=cmd_tune)
 
 

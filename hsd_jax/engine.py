@@ -107,11 +107,12 @@ class SpecConfig:
     adds M prompt-lookup nodes to a tree method's tree, verified in the same forward.
 
     `lookup_min_match` n > 0: only rounds where some live sequence's lookup match is at least n
-    tokens long verify them, the others the method's tree alone, M rows fewer (no match never
-    proposes an accepted token, a one-token match few). The choice is a `lax.cond` around the
-    target forward, and XLA copies the KV cache into and out of a conditional whose branch loops
-    over it (the layer scan): on the CPU that copy costs more than the M rows at SmolLM2's size,
-    so 0 (every round, no conditional) is faster there (BENCHMARKS.md, "The conditional's copy")."""
+    tokens long verify them (no match never proposes an accepted token, a one-token match few);
+    the other rounds verify the method's tree in the same static shape, the lookup slots
+    unreachable and skipped by the CPU kernels (`llama.forward`'s `active`), M rows cheaper there;
+    elsewhere (no kernels, accelerators) they are computed and unused. No `lax.cond` chooses
+    between two forwards: XLA copies the KV cache into and out of a conditional whose branch loops
+    over it (BENCHMARKS.md, "The conditional's copy")."""
 
     method: str = "hsd"
     reuse: str = "none"   # measured: none >= refresh in tau everywhere, refresh saves drafter steps (BENCHMARKS.md)
@@ -120,7 +121,7 @@ class SpecConfig:
     tree_top_k: int = 3
     gamma: int = 4
     lookup_slots: int = 0
-    lookup_min_match: int = 0
+    lookup_min_match: int = 2
     head_screen: bool = True   # T = 0 on the CPU: certified bf16 screen for the verify argmax (llama.serving_argmax)
 
     def __post_init__(self):
@@ -203,10 +204,11 @@ class SpecLoop(NamedTuple):
     stats: SpecStats
 
 
-def verify_tree(tparams, tcfg: ModelConfig, cache: KVCache, tree: Tree) -> llama.ForwardOutput:
-    """One target forward over all tree slots with tree attention (features [B, T, d], cache)."""
+def verify_tree(tparams, tcfg: ModelConfig, cache: KVCache, tree: Tree, active=None) -> llama.ForwardOutput:
+    """One target forward over all tree slots with tree attention (features [B, T, d], cache);
+    `active` [B, T]: the slots that need outputs (`llama.forward`)."""
     pos = tree_lib.positions(tree, cache.lengths)
-    return llama.forward(tparams, tcfg, tree.tokens, pos, cache, tree.parents)
+    return llama.forward(tparams, tcfg, tree.tokens, pos, cache, tree.parents, active)
 
 
 def target_verdict(tparams, tcfg: ModelConfig, tree: Tree, features, key, sampling: SamplingConfig,
@@ -217,14 +219,6 @@ def target_verdict(tparams, tcfg: ModelConfig, tree: Tree, features, key, sampli
     if sampling.greedy:
         return accept_greedy(tree, llama.serving_argmax(tparams, tcfg, features, screen))
     return accept(tree, llama.serving_logits(tparams, tcfg, features), key, sampling, chain)
-
-
-def padded_verdict(vout: llama.ForwardOutput, acc: Accepted, m: int) -> tuple[llama.ForwardOutput, Accepted]:
-    """A verify of a tree whose union with `m` more slots was not verified, shaped as the union's:
-    the extra slots' features zero, the path -1 past the smaller tree's depth."""
-    pad = lambda x, axis: jnp.concatenate([x, jnp.zeros(x.shape[:axis] + (m,) + x.shape[axis + 1:], x.dtype)], axis)
-    vout = vout._replace(features=pad(vout.features, 1), aux_features=pad(vout.aux_features, 2))
-    return vout, acc._replace(path=jnp.concatenate([acc.path, jnp.full(acc.path.shape[:1] + (m,), -1, acc.path.dtype)], 1))
 
 
 def commit(cache: KVCache, acc: Accepted, live) -> KVCache:
@@ -265,21 +259,23 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
         history = methods.History(s.tokens, s.count)
         draft = method.draft(rnd, s.dstate, s.root, history, k_draft)
 
-        def verify(tree):
-            vout = verify_tree(tparams, tcfg, s.tcache, tree)
+        def verify(tree, active=None):
+            vout = verify_tree(tparams, tcfg, s.tcache, tree, active)
             acc = target_verdict(tparams, tcfg, tree, vout.features, k_acc, sampling, draft.chain,
                                  screens[tree.num_slots])
             return vout, acc
 
         if spec.lookup_slots:   # the union (every round, or when some live sequence's lookup match is long enough)
-            union, matched = methods.lookup.attach(rnd, draft.tree, history, spec.lookup_slots)
+            tree, matched = methods.lookup.attach(rnd, draft.tree, history, spec.lookup_slots)
             wide = jnp.any(live & (matched >= spec.lookup_min_match))
-            if spec.lookup_min_match:   # a lax.cond around the verify: XLA copies the KV cache into and out of it
-                vout, acc = jax.lax.cond(wide, lambda: verify(union),
-                                         lambda: padded_verdict(*verify(draft.tree), spec.lookup_slots))
-            else:
-                vout, acc = verify(union)
-            draft = draft._replace(tree=union)   # slots of the own tree keep their index in the union
+            active = None
+            if spec.lookup_min_match:   # else the method's tree, its lookup slots unreachable and skipped
+                own = tree_lib.pad_tree(draft.tree, spec.verify_slots, depth)
+                tree = jax.tree.map(lambda u, o: jnp.where(wide, u, o), tree, own)
+                width = jnp.where(wide, spec.verify_slots, spec.slots)
+                active = jnp.broadcast_to(jnp.arange(spec.verify_slots) < width, tree.tokens.shape)
+            vout, acc = verify(tree, active)
+            draft = draft._replace(tree=tree)   # slots of the own tree keep their index in the union
         else:
             vout, acc = verify(draft.tree)
             wide = False

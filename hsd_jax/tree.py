@@ -324,6 +324,16 @@ def attach_chain(tree: Tree, chain_tokens: jax.Array, m: int) -> Tree:
     return build_tree(tokens, parents, scores, d + m)
 
 
+def pad_tree(tree: Tree, num_slots: int, max_depth: int) -> Tree:
+    """The tree in a larger shape: unreachable slots up to `num_slots` (no parent, so no walk and
+    no path visits them, and no other slot sees them) and paths up to `max_depth`."""
+    b, t = tree.tokens.shape
+    if num_slots < t or max_depth < tree.max_depth:
+        raise ValueError(f"pad_tree: cannot shrink a {t}-slot depth-{tree.max_depth} tree to {num_slots}/{max_depth}")
+    pad = lambda x, v: jnp.concatenate([x, jnp.full((b, num_slots - t), v, x.dtype)], 1)
+    return build_tree(pad(tree.tokens, 0), pad(tree.parents, -1), pad(tree.scores, -jnp.inf), max_depth)
+
+
 # ---------------------------------------------------------------------------
 # Walks
 # ---------------------------------------------------------------------------

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from hsd_jax import api, cpu_kernels, generate, load_drafter
+from hsd_jax.cache import init_cache
 from hsd_jax.models import drafter as dmod
+from hsd_jax.models import llama
 from pallas_kernels.tree_attention import ancestor_mask, tree_attention_reference
 from tests.helpers import tiny_target
 
@@ -29,6 +31,9 @@ def test_stacked_matmul_equals_the_dot_for_every_row_count_and_layer():
         x = rng.normal(0, 1, (n, 64)).astype(np.float32)
         for layer in range(3):
             np.testing.assert_allclose(np.asarray(run(x, packed, layer)), x @ w[layer], rtol=1e-5, atol=1e-5)
+        active = rng.random(n) < 0.5                 # only these rows computed, the others 0
+        np.testing.assert_allclose(np.asarray(run(x, packed, 2, active)), np.where(active[:, None], x @ w[2], 0),
+                                   rtol=1e-5, atol=1e-5)
 
 
 @built
@@ -51,13 +56,18 @@ def test_tree_attention_equals_the_reference(head_dim, hq, hkv):
         in_cache = (np.asarray(lengths)[:, None] + np.arange(n) < s)[:, None, :, None]   # rows whose K/V fit
         np.testing.assert_allclose(np.where(in_cache, got, 0), np.where(in_cache, want, 0), rtol=2e-5, atol=2e-5)
         assert np.isfinite(np.asarray(got)).all()
+        # a query that is not its own ancestor is skipped (0); the others as before
+        active = jnp.asarray(rng.random((b, n)) < 0.5)
+        part = run(q, k, v, 1, lengths, ancestor_mask(parents) & active[:, :, None], scale=head_dim ** -0.5)
+        keep = np.asarray(active)[:, None, :, None]
+        np.testing.assert_allclose(np.asarray(part), np.where(keep, np.asarray(got), 0), rtol=1e-6, atol=1e-6)
 
 
-@built
 def kernel_calls(texts) -> int:
     return sum(txt.count('"hsd_stacked_matmul_packed"') for txt in texts)
 
 
+@built
 def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
     t = tiny_target(vocab=64, hidden=64, tie_word_embeddings=True)    # head_dim 16 (attention) and the head screen
     d = load_drafter("hsd", target=t, random_init=True, seed=1)
@@ -73,6 +83,10 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
         hsd = [r.token_ids for r in generate(t, prompts, max_new_tokens=24, **spec)]
         assert hsd == ar
         texts[flag] = (ar, [exe.as_text() for exe in api._COMPILED.values()])
+        # lookup nodes only after a 2-token match: the other rounds' lookup slots skipped on the kernels
+        hybrid = generate(t, prompts, max_new_tokens=24, lookup_slots=2, lookup_min_match=2, **spec)
+        assert [r.token_ids for r in hybrid] == ar
+        assert all(0 < r.stats["lookup_rounds"] < r.stats["rounds"] for r in hybrid)
     assert texts["0"][0] == texts["1"][0]
     for target in cpu_kernels.TARGETS:       # quoted: one target's name is a prefix of another's
         assert all(f'"{target}"' not in txt for txt in texts["0"][1])
@@ -90,6 +104,31 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
     api._COMPILED.clear()
     assert [r.token_ids for r in generate(t, prompts, max_new_tokens=24, **spec)] == texts["1"][0]
     assert kernel_calls(exe.as_text() for exe in api._COMPILED.values()) > target_only > 0
+
+
+@built
+def test_a_forward_skips_its_inactive_tokens_on_the_kernels():
+    """`active`: the tokens no active one sees (here unreachable slots after a 4-node tree) are not
+    computed, the others come out as in the full forward; without the kernels all are computed."""
+    t = tiny_target(vocab=64, hidden=64, tie_word_embeddings=True)
+    cfg, b, n = t.config, 2, 6
+    rng = np.random.default_rng(5)
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, 32, cfg.head_dim)
+    prompt = jnp.asarray(rng.integers(0, 64, (b, 7)), jnp.int32)
+    full = api.serving_params(t)
+    cache = llama.forward(full, cfg, prompt, jnp.broadcast_to(jnp.arange(7), (b, 7)), cache).cache.replace(
+        lengths=jnp.full((b,), 7, jnp.int32))
+    parents = jnp.asarray([[-1, 0, 0, 1, -1, -1]] * b, jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, 64, (b, n)), jnp.int32)
+    pos = 7 + jnp.asarray([[0, 1, 1, 2, 0, 0]] * b, jnp.int32)
+    active = jnp.broadcast_to(jnp.arange(n) < 4, (b, n))
+    run = jax.jit(llama.forward, static_argnums=1)
+    want = run(full, cfg, tokens, pos, cache, parents).features
+    got = run(full, cfg, tokens, pos, cache, parents, active).features
+    np.testing.assert_allclose(np.asarray(got[:, :4]), np.asarray(want[:, :4]), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(got[:, 4:]), np.asarray(want[:, 4:]), atol=1e-2)   # not computed
+    plain = run(t.params, cfg, tokens, pos, cache, parents, active).features   # XLA: every token computed
+    np.testing.assert_allclose(np.asarray(plain), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
 @built

@@ -79,7 +79,7 @@ def test_lookup_slots_join_a_learned_tree_losslessly_and_accept_more_on_copy_hea
         for a, h in zip(alone, hybrid):
             assert h.stats["lookup_slots"] == 4 and len(h.stats["accepted_hist"]) == 2 + 4 + 1
             assert h.stats["tau"] > 2.5 > a.stats["tau"], (kind, a.stats["tau"], h.stats["tau"])
-            assert h.stats["lookup_rounds"] == h.stats["rounds"]   # by default in every round
+            assert 0 < h.stats["lookup_rounds"] < h.stats["rounds"]   # the first rounds had no 2-token match
             assert h.stats["drafter_forwards"] <= a.stats["drafter_forwards"]
     with pytest.raises(ConfigError, match="drafts a chain"):
         generate(tgt, prompts, max_new_tokens=4, method="sd", drafter=load_drafter("sd", target=tgt, random_init=True),

@@ -371,3 +371,15 @@ def test_attach_chain_hangs_the_chain_below_its_longest_spelled_prefix():
     want = jnp.array([[1, 3, 9, 7, 9, 8, 6, 0]])
     m, path, _ = tr.greedy_walk(jax.tree.map(lambda x: x[:1], out), want)
     assert int(m[0]) == 5 and np.asarray(path)[0].tolist() == [0, 1, 3, 5, 6, 7]
+
+
+def test_padded_slots_are_never_reached():
+    """`pad_tree`: the larger shape's extra slots have no parent, so no walk reaches them even when
+    they hold the token the target wants."""
+    p = tr.pad_tree(tr.chain_tree(jnp.asarray([[5, 6]]), jnp.asarray([4])), 6, 4)
+    assert p.tokens.shape == (1, 6) and p.max_depth == 4
+    m, _, last = tr.greedy_walk(p, jnp.zeros((1, 6), jnp.int32))    # the pads hold 0, the target wants 0
+    assert int(m[0]) == 0 and int(last[0]) == 0
+    m, path, _ = tr.greedy_walk(p, jnp.asarray([[5, 6, 9, 0, 0, 0]]))
+    assert int(m[0]) == 2 and np.asarray(path[0]).tolist() == [0, 1, 2, -1, -1]
+    assert not np.asarray(p.mask[0, :3, 3:]).any()                        # no real slot sees a pad

@@ -138,18 +138,21 @@ def pack_layers(layers: dict) -> dict:
     return out
 
 
-def stacked_matmul(x, packed, layer):
+def stacked_matmul(x, packed, layer, active=None):
     """x [N, d] @ the layer's [d, f] weights from their packed stack [L, f / 32, d, 32] (f32 or
-    bf16 weights; f32 products and sums either way)."""
+    bf16 weights; f32 products and sums either way). `active` [N] bool: only those rows are
+    computed, the others come out 0 (default: all)."""
     f = packed.shape[1] * COLS
     target = "hsd_stacked_matmul_packed_bf16" if packed.dtype == jnp.bfloat16 else "hsd_stacked_matmul_packed"
+    active = jnp.ones((x.shape[0],), jnp.int32) if active is None else jnp.asarray(active).astype(jnp.int32)
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], f), jnp.float32))(
-        x.astype(jnp.float32), packed, jnp.asarray(layer, jnp.int32).reshape(1))
+        x.astype(jnp.float32), packed, jnp.asarray(layer, jnp.int32).reshape(1), active)
 
 
-def dense_interceptor(packed: dict, layer):
+def dense_interceptor(packed: dict, layer, active=None):
     """A Flax method interceptor: each Dense whose path (inside the decoder layer) has a packed
-    kernel runs `stacked_matmul` on layer `layer` instead of its own (sliced) kernel."""
+    kernel runs `stacked_matmul` on layer `layer` instead of its own (sliced) kernel, on the
+    `active` rows ([B, T] bool; default all) only."""
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
@@ -157,7 +160,8 @@ def dense_interceptor(packed: dict, layer):
         if context.method_name != "__call__" or key not in packed:
             return next_fun(*args, **kwargs)
         x = args[0]
-        y = stacked_matmul(x.reshape(-1, x.shape[-1]), packed[key], layer).reshape(*x.shape[:-1], -1)
+        rows = None if active is None else active.reshape(-1)
+        y = stacked_matmul(x.reshape(-1, x.shape[-1]), packed[key], layer, rows).reshape(*x.shape[:-1], -1)
         if module.use_bias:
             y = y + module.variables["params"]["bias"]
         return y.astype(module.dtype or x.dtype)
@@ -174,7 +178,8 @@ def attention_supported(cache_dtype, head_dim: int) -> bool:
 def tree_attention(q, k_stack, v_stack, layer, lengths, ancestors, scale: float):
     """Attention of q [B, Hq, N, Dh] over layer `layer` of the stacked cache [L, B, Hkv, S, Dh]
     (the N new tokens' K/V already written at slots lengths[b] + i): query i sees the prefix
-    [0, lengths[b]) and new token a where ancestors[b, i, a] (`tree_attention_reference`'s rule)."""
+    [0, lengths[b]) and new token a where ancestors[b, i, a] (`tree_attention_reference`'s rule);
+    a query that is not its own ancestor is skipped and outputs 0."""
     return jax.ffi.ffi_call("hsd_tree_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_stack, v_stack, jnp.asarray(layer, jnp.int32).reshape(1),
         lengths.astype(jnp.int32), ancestors.astype(jnp.int32), scale=np.float32(scale))

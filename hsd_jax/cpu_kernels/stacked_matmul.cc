@@ -2,10 +2,12 @@
 // XLA:CPU copies a layer's weights out of the [L, d, f] stack before its GEMM when N > 1 (BENCHMARKS.md,
 // "Op by op"); this XLA FFI handler reads them where they are, each weight once for all N rows, from
 // the plain [L, d, f] layout or, streamed in order, from [L, f / 32, d, 32] (f32, or bf16 widened exactly). Threads: XLA's intra-op pool.
+// Rows whose `active` flag is 0 are skipped and come out 0 (a verify narrower than its static shape).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -53,20 +55,33 @@ static void Tile(const float* X, const T* W, int64_t ws, float* Y, int64_t d, in
 
 template <bool kPacked, ffi::DataType kW, typename T>
 static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kW> w, ffi::Buffer<ffi::S32> layer,
-                                    ffi::ResultBuffer<ffi::F32> y) {
+                                    ffi::Buffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   // plain: w [L, d, f]; packed: w [L, f / 32, d, 32] (each column tile contiguous)
   const bool ok = kPacked ? (wd.size() == 4 && wd[3] == kCols && xd.size() == 2 && xd[1] == wd[2])
                           : (wd.size() == 3 && xd.size() == 2 && xd[1] == wd[1]);
-  if (!ok) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "stacked_matmul: bad shapes");
-  const int64_t n = xd[0], d = xd[1], f = kPacked ? wd[1] * kCols : wd[2];
+  if (!ok || active.element_count() != xd[0]) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "stacked_matmul: bad shapes");
+  const int64_t d = xd[1], f = kPacked ? wd[1] * kCols : wd[2];
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error(ffi::ErrorCode::kOutOfRange, "stacked_matmul: layer out of range");
   const T* W = reinterpret_cast<const T*>(w.untyped_data()) + l * d * f;
   const int64_t ws = kPacked ? kCols : f;
-  const float* X = x.typed_data();
-  float* Y = y->typed_data();
+  // the active rows, gathered into a contiguous block when some are not
+  const int32_t* act = active.typed_data();
+  std::vector<int64_t> rows;
+  for (int64_t r = 0; r < xd[0]; ++r)
+    if (act[r]) rows.push_back(r);
+  const int64_t n = static_cast<int64_t>(rows.size());
+  const bool all = n == xd[0];
+  std::vector<float> xa, ya;
+  if (!all) {
+    xa.resize(n * d);
+    ya.resize(n * f);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(x.typed_data() + rows[i] * d, d, xa.data() + i * d);
+  }
+  const float* X = all ? x.typed_data() : xa.data();
+  float* Y = all ? y->typed_data() : ya.data();
   // Register tiles of up to 8 rows x 32 columns; each w tile (d x 32) is streamed from memory once.
   // The column tiles are split over XLA's intra-op thread pool (this call runs the first share).
   const int64_t tiles = f / kCols;
@@ -104,6 +119,11 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
       Y[r * f + j] = s;
     }
   }
+  if (!all) {
+    float* out = y->typed_data();
+    std::fill_n(out, xd[0] * f, 0.0f);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(ya.data() + i * f, f, out + rows[i] * f);
+  }
   return ffi::Error::Success();
 }
 
@@ -112,6 +132,7 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
       .Ctx<ffi::ThreadPool>()                     \
       .Arg<ffi::Buffer<ffi::F32>>()               \
       .Arg<ffi::Buffer<W>>()                      \
+      .Arg<ffi::Buffer<ffi::S32>>()               \
       .Arg<ffi::Buffer<ffi::S32>>()               \
       .Ret<ffi::Buffer<ffi::F32>>()
 

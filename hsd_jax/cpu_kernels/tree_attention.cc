@@ -4,7 +4,8 @@
 // reads only the slots a query can see: the committed prefix [0, lengths[b]) and the new tokens
 // [lengths[b], lengths[b] + N) that are its ancestors (or itself) in the draft tree. A chain (N = 1
 // included) is causal attention. One task per (sequence, query head): K and V of its kv head are
-// streamed once for all N rows.
+// streamed once for all N rows. A row that is not its own ancestor is skipped and outputs 0 (a verify
+// narrower than its static shape).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -103,10 +104,18 @@ static void Head(const float* q, const float* K, const float* V, const int32_t* 
   constexpr int64_t dh = 16 * VECS;
   const int64_t stride = (end + 15) / 16 * 16;
   sc.resize(n * stride);
+  std::vector<int64_t> live;                  // rows that are their own ancestor; the others are skipped, output 0
+  for (int64_t i = 0; i < n; ++i) {
+    if (anc[i * n + i]) {
+      live.push_back(i);
+    } else {
+      std::fill_n(out + i * dh, dh, 0.0f);
+    }
+  }
   for (int64_t j0 = 0; j0 < end; j0 += 16) {
     const float* ks[16];
     for (int jj = 0; jj < 16; ++jj) ks[jj] = K + std::min(j0 + jj, end - 1) * dh;
-    for (int64_t i = 0; i < n; ++i) {
+    for (const int64_t i : live) {
       const float* qi = q + i * dh;
       v16 acc[16] = {};
       for (int c = 0; c < VECS; ++c) {
@@ -124,7 +133,7 @@ static void Head(const float* q, const float* K, const float* V, const int32_t* 
     }
   }
   std::vector<float> inv(n);
-  for (int64_t i = 0; i < n; ++i) {           // softmax numerators and 1 / denominators per row
+  for (const int64_t i : live) {              // softmax numerators and 1 / denominators per row
     float* row = sc.data() + i * stride;
     v16 vm = Splat(-kInf);
     for (int64_t j = 0; j < stride; j += 16) {
@@ -145,21 +154,22 @@ static void Head(const float* q, const float* K, const float* V, const int32_t* 
     }
     inv[i] = 1.0f / Sum(l);
   }
-  for (int64_t i0 = 0; i0 < n; i0 += 4) {
-    const int64_t rows = std::min<int64_t>(4, n - i0);
+  const int64_t m = static_cast<int64_t>(live.size());
+  for (int64_t i0 = 0; i0 < m; i0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, m - i0);
     v16 acc[4][VECS] = {};
     for (int64_t j = 0; j < end; ++j) {
       v16 v[VECS];
       for (int c = 0; c < VECS; ++c) v[c] = Load(V + j * dh + 16 * c);
       for (int64_t r = 0; r < rows; ++r) {
-        const v16 p = Splat(sc[(i0 + r) * stride + j]);
+        const v16 p = Splat(sc[live[i0 + r] * stride + j]);
         for (int c = 0; c < VECS; ++c) acc[r][c] += p * v[c];
       }
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int c = 0; c < VECS; ++c) {
-        const v16 o = acc[r][c] * Splat(inv[i0 + r]);
-        __builtin_memcpy(out + (i0 + r) * dh + 16 * c, &o, sizeof(v16));
+        const v16 o = acc[r][c] * Splat(inv[live[i0 + r]]);
+        __builtin_memcpy(out + live[i0 + r] * dh + 16 * c, &o, sizeof(v16));
       }
   }
 }

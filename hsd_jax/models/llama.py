@@ -129,17 +129,21 @@ def embed(params: dict, tokens: jax.Array) -> jax.Array:
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: KVCache, parents: jax.Array | None = None) -> ForwardOutput:
+            cache: KVCache, parents: jax.Array | None = None, active: jax.Array | None = None) -> ForwardOutput:
     """Run the decoder over new tokens [B, T] at positions [B, T].
 
     parents None: causal over the cache prefix and the new tokens (prefill, decode).
     parents [B, T]: tree verification, each token sees the prefix and its ancestors.
+    active [B, T] bool: the tokens whose outputs are needed (no active token may see an inactive
+    one); the CPU kernels skip the others' matmuls and attention (their features and K/V are then
+    meaningless), other paths compute them all.
     """
-    return forward_embeddings(params, cfg, embed(params, tokens), positions, cache, parents)
+    return forward_embeddings(params, cfg, embed(params, tokens), positions, cache, parents, active)
 
 
 def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
-                       cache: KVCache, parents: jax.Array | None = None) -> ForwardOutput:
+                       cache: KVCache, parents: jax.Array | None = None,
+                       active: jax.Array | None = None) -> ForwardOutput:
     """`forward` from input vectors x [B, T, d] instead of token ids (drafters feed features)."""
     layer = DecoderLayer(cfg)
     feature_layers = jnp.asarray(cfg.feature_layers, jnp.int32)
@@ -150,11 +154,14 @@ def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: 
     if packed and cpu_kernels.attention_supported(cache.k.dtype, cfg.head_dim):
         ancestors = (jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)) if parents is None
                      else ancestor_mask(parents))
+        if active is not None:   # an inactive query's row is empty: the attention kernel skips it
+            ancestors = ancestors & active[:, :, None]
 
     def body(carry, inputs):
         x, ck, cv = carry
         p, idx = inputs
-        kernel = nn.intercept_methods(cpu_kernels.dense_interceptor(packed, idx)) if packed else contextlib.nullcontext()
+        kernel = (nn.intercept_methods(cpu_kernels.dense_interceptor(packed, idx, active)) if packed
+                  else contextlib.nullcontext())
         with kernel:
             x, ck, cv = layer.apply({"params": p}, x, positions, ck, cv, idx, cache.lengths, parents, ancestors)
         return (x, ck, cv), (x if cfg.feature_layers else None)
