@@ -39,6 +39,7 @@ import numpy as np
 COLS = 32           # the kernel's column tile (the packed layout's last axis)
 MAX_ROWS = 64       # forwards up to this many rows (batch x new tokens): measured faster than XLA up to 64
 SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("stacked_matmul.cc", "tree_attention.cc"))
+HEADERS = (os.path.join(os.path.dirname(__file__), "parallel.h"),)
 TARGETS = {"hsd_stacked_matmul_packed": "StackedMatmulPacked", "hsd_stacked_matmul_packed_bf16": "StackedMatmulPackedBF16",
            "hsd_tree_attention": "TreeAttention"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
@@ -65,7 +66,7 @@ def _library_path() -> str:
     folder never hands a machine a binary built for another CPU)."""
     import jaxlib
 
-    source = b"".join(open(path, "rb").read() for path in SOURCES)
+    source = b"".join(open(path, "rb").read() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + repr((jaxlib.__version__, FLAGS, platform.machine(),
                                         _cpu_id())).encode()).hexdigest()[:16]
     return os.path.join(_cache_dir(), f"hsd_kernels-{key}.so")

@@ -4,11 +4,10 @@
 // the plain [L, d, f] layout or, streamed in order, from [L, f / 32, d, 32] (f32, or bf16 widened exactly). Threads: XLA's intra-op pool.
 // Rows whose `active` flag is 0 are skipped and come out 0 (a verify narrower than its static shape).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -83,7 +82,7 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const float* X = all ? x.typed_data() : xa.data();
   float* Y = all ? y->typed_data() : ya.data();
   // Register tiles of up to 8 rows x 32 columns; each w tile (d x 32) is streamed from memory once.
-  // The column tiles are split over XLA's intra-op thread pool (this call runs the first share).
+  // The column tiles are split over XLA's intra-op thread pool (parallel.h).
   const int64_t tiles = f / kCols;
   auto run = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -103,15 +102,7 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     }
   };
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), tiles));
-  std::atomic<int64_t> pending(parts - 1);
-  for (int64_t p = 1; p < parts; ++p) {
-    pool.Schedule([&, p] {
-      run(p * tiles / parts, (p + 1) * tiles / parts);
-      pending.fetch_sub(1, std::memory_order_release);
-    });
-  }
-  run(0, tiles / parts);
-  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  ParallelFor(pool, parts, parts - 1, [&](int64_t p) { run(p * tiles / parts, (p + 1) * tiles / parts); });
   for (int64_t j = tiles * kCols; j < f; ++j) {      // columns past the last full tile (plain layout only)
     for (int64_t r = 0; r < n; ++r) {
       float s = 0.0f;

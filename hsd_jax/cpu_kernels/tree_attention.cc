@@ -7,13 +7,12 @@
 // streamed once for all N rows. A row that is not its own ancestor is skipped and outputs 0 (a verify
 // narrower than its static shape).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -199,26 +198,14 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const int32_t* anc = ancestors.typed_data();
   float* O = out->typed_data();
   const int64_t tasks = b * hq;
-  std::atomic<int64_t> next(0);
-  auto run = [&] {
-    std::vector<float> sc;
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
-      const int64_t bi = t / hq, h = t % hq, kvh = h / group;
-      const int64_t len = std::clamp<int64_t>(lens[bi], 0, s), end = std::min<int64_t>(len + n, s);
-      const int64_t kv = (bi * hkv + kvh) * s * dh;
-      kHeads[dh / 16 - 1](Q + t * n * dh, Kl + kv, Vl + kv, anc + bi * n * n, n, len, end, scale, O + t * n * dh, sc);
-    }
-  };
   const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), tasks) - 1);
-  std::atomic<int64_t> pending(helpers);
-  for (int64_t p = 0; p < helpers; ++p) {
-    pool.Schedule([&] {
-      run();
-      pending.fetch_sub(1, std::memory_order_release);
-    });
-  }
-  run();
-  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  ParallelFor(pool, tasks, helpers, [&](int64_t t) {
+    thread_local std::vector<float> sc;
+    const int64_t bi = t / hq, h = t % hq, kvh = h / group;
+    const int64_t len = std::clamp<int64_t>(lens[bi], 0, s), end = std::min<int64_t>(len + n, s);
+    const int64_t kv = (bi * hkv + kvh) * s * dh;
+    kHeads[dh / 16 - 1](Q + t * n * dh, Kl + kv, Vl + kv, anc + bi * n * n, n, len, end, scale, O + t * n * dh, sc);
+  });
   return ffi::Error::Success();
 }
 
