@@ -435,7 +435,8 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         if spec is not None:
             stats.update(reuse=spec.reuse, tree_nodes=spec.tree_nodes, tree_depth=spec.depth, tree_top_k=spec.tree_top_k,
                          lookup_slots=spec.lookup_slots, lookup_min_match=spec.lookup_min_match,
-                         lookup_rounds=int(out.stats.lookup_rounds[i]))
+                         lookup_rounds=int(out.stats.lookup_rounds[i]), min_draft_prob=spec.min_draft_prob,
+                         verified_slots=int(out.stats.verified_slots[i]))
         text = target.decode(new) if target.tokenizer is not None else ""
         results.append(GenerationResult(new, text, stats))
     return results

@@ -5,7 +5,8 @@ drift cancels; compilation and warm-up happen first and are reported separately.
 
 JSON schema (`--json OUT`):
 {
-  "suite", "num_prompts", "batch_size", "temperature", "max_new_tokens", "machine": {...},
+  "suite", "num_prompts", "batch_size", "temperature", "max_new_tokens", "repeats" (runs per batch
+  and method, the fastest counted), "machine": {...},
   "methods": {
     "<name>": {
       "tau": committed tokens per verify round, bonus included (aggregate),
@@ -17,6 +18,8 @@ JSON schema (`--json OUT`):
       "drafter_forwards_per_token": sequential drafter calls per new token,
       "accepted_hist": rounds by number of accepted draft tokens,
       "new_tokens", "prompts" (run; fewer than asked when a deadline cut the run), "rounds",
+      "lookup_rounds" (rounds that verified prompt-lookup nodes), "verify_rows_per_round" (rows
+      the verify forward computed, root included; fewer than the tree's slots where skipped),
       "compile_seconds", "options"
     }
   }
@@ -38,6 +41,7 @@ METHOD_NAMES = METHODS + tuple(HSD_REUSE)
 SPEC_OPTIONS = frozenset().union(*(m.options for m in REGISTRY.values()))   # every method's options
 HYBRID_LOOKUP_SLOTS = 4   # "hsd+lookup": a tree method with this many prompt-lookup nodes ("hsd+lookup6": 6)
 # "hsd+lookup6/0": those nodes in every round (`lookup_min_match` 0; without "/N": SpecConfig's default)
+# "hsd~0.1", "hsd+lookup/2~0.1": draft nodes under that path probability pruned (`min_draft_prob`)
 
 
 class BenchError(ValueError):
@@ -47,7 +51,19 @@ class BenchError(ValueError):
 def method_spec(name: str) -> tuple[str, dict]:
     """(engine method, options) of a bench method name: a method, an hsd reuse variant
     (`hsd-chain`), or either with prompt-lookup nodes (`hsd+lookup`, `eagle+lookup6`), optionally
-    with the shortest lookup match that adds them to a round (`hsd+lookup4/0`: every round)."""
+    with the shortest lookup match that adds them to a round (`hsd+lookup4/0`: every round), and
+    any tree method with its draft nodes under a path probability pruned (`hsd~0.1`,
+    `hsd+lookup/2~0.1`: `min_draft_prob`)."""
+    head, tilde, floor = name.partition("~")
+    if tilde:
+        method, opts = method_spec(head)
+        try:
+            prob = float(floor)
+        except ValueError:
+            prob = -1.0
+        if method not in TREE_METHODS or not 0 < prob < 1:
+            raise BenchError(f"{name!r}: METHOD~P needs a tree method ({', '.join(TREE_METHODS)}) and 0 < P < 1")
+        return method, dict(opts, min_draft_prob=prob)
     base, plus, extra = name.partition("+lookup")
     if plus:
         method, opts = method_spec(base)
@@ -133,9 +149,12 @@ def interleaved_ms(programs: dict[str, Callable], inputs: dict, rounds: int) -> 
 
 
 def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_size: int = 1,
-              temperature: float = 0.0, progress: bool = True, deadline: float | None = None) -> dict:
+              temperature: float = 0.0, progress: bool = True, deadline: float | None = None,
+              repeats: int = 1) -> dict:
     """Run every method on every batch of prompts, interleaved; returns the per-method summary.
 
+    repeats: runs of every method on each batch (interleaved too), of which the fastest counts:
+    a batch's time without the machine's own pauses (the outputs are the same every run).
     deadline: a `time.time()` after which no new batch starts (time-boxed runs); the summary
     then covers the batches run so far, counted in each method's `prompts`."""
     import time
@@ -146,23 +165,29 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
 
     if "ar" not in runners:
         raise BenchError("the ar baseline must be among the methods (speedups are measured against it)")
-    if batch_size < 1 or not prompts:
-        raise BenchError("need batch_size >= 1 and at least one prompt")
+    if batch_size < 1 or not prompts or repeats < 1:
+        raise BenchError("need batch_size >= 1, repeats >= 1 and at least one prompt")
     batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     compile_s = {}
     for name, run in runners.items():
         res = run(batches[0])
         compile_s[name] = res[0].stats["compile_seconds"]
-    per = {name: {"tokens": [], "seconds": [], "outputs": [], "rounds": 0, "dsteps": 0, "lookup_rounds": 0,
+    per = {name: {"tokens": [], "seconds": [], "outputs": [], "rounds": 0, "dsteps": 0, "lookup_rounds": 0, "vslots": 0,
                   "hist": []}
            for name in runners}
-    bar = tqdm(total=len(batches) * len(runners), desc="bench", unit="run",
+    bar = tqdm(total=len(batches) * len(runners) * repeats, desc="bench", unit="run",
                disable=not (progress and distributed.is_primary()))
     for batch in batches:
         if deadline is not None and per["ar"]["tokens"] and distributed.agree(time.time() > deadline):
             break   # process 0's clock decides: every process must run the same batches
-        for name, run in runners.items():
-            res = run(batch)
+        fastest = {}
+        for _ in range(repeats):
+            for name, run in runners.items():
+                res = run(batch)
+                if name not in fastest or res[0].stats["seconds"] < fastest[name][0].stats["seconds"]:
+                    fastest[name] = res
+                bar.update(1)
+        for name, res in fastest.items():
             rec = per[name]
             rec["tokens"].append(sum(r.stats["new_tokens"] for r in res))
             rec["seconds"].append(res[0].stats["seconds"])
@@ -170,10 +195,10 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
             rec["rounds"] += sum(r.stats["rounds"] for r in res)
             rec["dsteps"] += sum(r.stats["drafter_forwards"] for r in res)
             rec["lookup_rounds"] += sum(r.stats.get("lookup_rounds", 0) for r in res)
+            rec["vslots"] += sum(r.stats.get("verified_slots", r.stats["rounds"]) for r in res)
             for r in res:
                 h = r.stats["accepted_hist"]
                 rec["hist"] = [a + b for a, b in zip(rec["hist"], h)] if rec["hist"] else list(h)
-            bar.update(1)
     bar.close()
     ar = per["ar"]
     out = {}
@@ -194,6 +219,7 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
             "prompts": len(rec["outputs"]),
             "rounds": rec["rounds"],
             "lookup_rounds": rec["lookup_rounds"],
+            "verify_rows_per_round": round(rec["vslots"] / rec["rounds"], 3) if rec["rounds"] else 1.0,
             "compile_seconds": round(compile_s[name], 2),
             "options": getattr(runners[name], "options", {}),
         }

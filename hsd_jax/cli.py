@@ -56,6 +56,9 @@ def _add_tree_args(p):
     p.add_argument("--lookup-min-match", type=int, default=None, metavar="N",
                    help="with --lookup-slots: add the lookup nodes only in rounds whose lookup match is at least "
                         f"N tokens long, 0 = every round (default {SpecConfig.lookup_min_match})")
+    p.add_argument("--min-draft-prob", type=float, default=None, metavar="P",
+                   help="tree methods: drop draft nodes whose drafter path probability is below P before the "
+                        "verify (fewer rows on the CPU kernels; default 0 = keep all)")
     p.add_argument("--tuned", action="store_true",
                    help="use the tree (and hsd reuse) `hsd tune` chose for this hardware, model and drafter; "
                         "explicit tree flags still win")
@@ -65,7 +68,7 @@ def _spec_options(a, method: str) -> dict:
     """The speculative options given on the command line, checked now (before any model loads)
     by the same `SpecConfig` that `generate` builds."""
     given = {"tree_nodes": a.tree_nodes, "tree_depth": a.tree_depth, "tree_top_k": a.top_k, "gamma": a.gamma,
-             "lookup_slots": a.lookup_slots, "lookup_min_match": a.lookup_min_match,
+             "lookup_slots": a.lookup_slots, "lookup_min_match": a.lookup_min_match, "min_draft_prob": a.min_draft_prob,
              "reuse": getattr(a, "reuse", None)}
     opts = {k: v for k, v in given.items() if v is not None}
     if method != "ar":
@@ -253,6 +256,8 @@ def _add_bench(sub):
                    help="drafter directory per kind, e.g. hsd=runs/x/drafter (default: the shipped ones)")
     p.add_argument("--random-drafters", action="store_true", help="untrained drafters (engine checks only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every method on each batch, the fastest counted (default 1)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write a figure")
     _add_mesh_arg(p)
@@ -284,6 +289,8 @@ def cmd_bench(a) -> int:
         raise UsageError(f"--num-prompts must be >= 1, got {a.num_prompts}")
     if a.temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {a.temperature}")
+    if a.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {a.repeats}")
     paths = drafter_paths(a.drafter)
     prompts = load_suite(a.suite, a.num_prompts)
     _check_model(a.model)
@@ -301,8 +308,9 @@ def cmd_bench(a) -> int:
             drafter = load_drafter(kind, paths.get(kind), target=target, random_init=a.random_drafters)
         runners[name] = make_runner(target, name, drafter, options=given, temperature=a.temperature,
                                     max_new_tokens=a.max_new_tokens, seed=a.seed, mesh=mesh)
-    results = run_bench(runners, ids, batch_size=a.batch_size, temperature=a.temperature)
+    results = run_bench(runners, ids, batch_size=a.batch_size, temperature=a.temperature, repeats=a.repeats)
     result = {"suite": a.suite, "num_prompts": len(ids), "batch_size": a.batch_size, "temperature": a.temperature,
+              "repeats": a.repeats,
               "max_new_tokens": a.max_new_tokens, "model": a.model, "options": given,
               "machine": machine_info(), "methods": results}
     from hsd_jax.distributed import is_primary

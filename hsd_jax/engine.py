@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -112,7 +113,13 @@ class SpecConfig:
     unreachable and skipped by the CPU kernels (`llama.forward`'s `active`), M rows cheaper there;
     elsewhere (no kernels, accelerators) they are computed and unused. No `lax.cond` chooses
     between two forwards: XLA copies the KV cache into and out of a conditional whose branch loops
-    over it (BENCHMARKS.md, "The conditional's copy")."""
+    over it (BENCHMARKS.md, "The conditional's copy").
+
+    `min_draft_prob` p > 0: draft nodes whose path probability under the drafter is below p leave
+    the tree before the verify (`tree.prune_tree`: unreachable, their rows skipped by the CPU
+    kernels), so a round costs fewer rows where the drafter is unsure; lookup nodes count as
+    certain. Lossless (a choice made from the draft alone); it saves time only where verify rows
+    cost (the CPU kernels) and otherwise only lowers acceptance."""
 
     method: str = "hsd"
     reuse: str = "none"   # measured: none >= refresh in tau everywhere, refresh saves drafter steps (BENCHMARKS.md)
@@ -122,6 +129,7 @@ class SpecConfig:
     gamma: int = 4
     lookup_slots: int = 0
     lookup_min_match: int = 2
+    min_draft_prob: float = 0.0
     head_screen: bool = True   # T = 0 on the CPU: certified bf16 screen for the verify argmax (llama.serving_argmax)
 
     def __post_init__(self):
@@ -145,6 +153,10 @@ class SpecConfig:
         if not 0 <= self.lookup_min_match <= most_match:
             raise ConfigError(f"lookup_min_match must be in 0..{most_match} (the longest n-gram lookup "
                               f"matches), got {self.lookup_min_match}")
+        if not 0.0 <= self.min_draft_prob < 1.0:
+            raise ConfigError(f"min_draft_prob must be in [0, 1), got {self.min_draft_prob}")
+        if self.min_draft_prob and not self.drafts_tree:
+            raise ConfigError(f"min_draft_prob prunes a draft tree; method {self.method!r} drafts a chain")
         if self.lookup_slots and not self.drafts_tree:
             raise ConfigError(f"lookup_slots adds prompt-lookup nodes to a draft tree; method {self.method!r} "
                               "drafts a chain")
@@ -183,6 +195,7 @@ class SpecStats(NamedTuple):
     accepted_hist: jax.Array     # [B, D+1] rounds by number of accepted draft tokens
     drafter_steps: jax.Array     # [B] sequential drafter forwards (ingest calls and chain/tree steps)
     lookup_rounds: jax.Array     # [B] rounds that verified the prompt-lookup nodes (`lookup_slots`)
+    verified_slots: jax.Array    # [B] verify rows computed, root included (fewer than rounds x slots where skipped)
 
 
 class SpecOutput(NamedTuple):
@@ -251,34 +264,29 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
     count = jnp.ones((b,), jnp.int32)
     done = is_eos(root, tcfg.eos_token_ids) | (max_new_tokens <= 1)
     zeros = jnp.zeros((b,), jnp.int32)
-    stats = SpecStats(zeros, jnp.zeros((b, depth + 1), jnp.int32), zeros, zeros)
+    stats = SpecStats(zeros, jnp.zeros((b, depth + 1), jnp.int32), zeros, zeros, zeros)
 
     def body(s: SpecLoop) -> SpecLoop:
         live = ~s.done
         key, k_draft, k_acc = jax.random.split(s.key, 3)
         history = methods.History(s.tokens, s.count)
         draft = method.draft(rnd, s.dstate, s.root, history, k_draft)
-
-        def verify(tree, active=None):
-            vout = verify_tree(tparams, tcfg, s.tcache, tree, active)
-            acc = target_verdict(tparams, tcfg, tree, vout.features, k_acc, sampling, draft.chain,
-                                 screens[tree.num_slots])
-            return vout, acc
-
+        tree, active, wide = draft.tree, None, False
         if spec.lookup_slots:   # the union (every round, or when some live sequence's lookup match is long enough)
             tree, matched = methods.lookup.attach(rnd, draft.tree, history, spec.lookup_slots)
             wide = jnp.any(live & (matched >= spec.lookup_min_match))
-            active = None
             if spec.lookup_min_match:   # else the method's tree, its lookup slots unreachable and skipped
                 own = tree_lib.pad_tree(draft.tree, spec.verify_slots, depth)
                 tree = jax.tree.map(lambda u, o: jnp.where(wide, u, o), tree, own)
                 width = jnp.where(wide, spec.verify_slots, spec.slots)
                 active = jnp.broadcast_to(jnp.arange(spec.verify_slots) < width, tree.tokens.shape)
-            vout, acc = verify(tree, active)
-            draft = draft._replace(tree=tree)   # slots of the own tree keep their index in the union
-        else:
-            vout, acc = verify(draft.tree)
-            wide = False
+        if spec.min_draft_prob:   # unlikely drafts leave the tree, their rows skipped
+            tree, keep = tree_lib.prune_tree(tree, math.log(spec.min_draft_prob))
+            active = keep if active is None else active & keep
+        vout = verify_tree(tparams, tcfg, s.tcache, tree, active)
+        acc = target_verdict(tparams, tcfg, tree, vout.features, k_acc, sampling, draft.chain, screens[tree.num_slots])
+        rows = tree.num_slots if active is None else active.sum(1, dtype=jnp.int32)
+        draft = draft._replace(tree=tree)   # slots of the own tree keep their index in the union
         tcache = commit(vout.cache, acc, live)
         dstate, more = method.update(rnd, draft.state, draft, acc, vout, live)
         new = emitted_tokens(draft.tree, acc)
@@ -292,7 +300,8 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
         done = s.done | (eos_at <= depth) | (count >= max_new_tokens)
         st = s.stats
         stats = SpecStats(st.rounds + live, st.accepted_hist.at[jnp.arange(b), acc.num_accepted].add(live),
-                          st.drafter_steps + jnp.where(live, draft.steps + more, 0), st.lookup_rounds + (live & wide))
+                          st.drafter_steps + jnp.where(live, draft.steps + more, 0), st.lookup_rounds + (live & wide),
+                          st.verified_slots + jnp.where(live, rows, 0))
         return SpecLoop(tcache, dstate, jnp.where(live, acc.token, s.root), tokens, count, done, key, stats)
 
     s = jax.lax.while_loop(lambda s: jnp.any(~s.done), body,

@@ -334,6 +334,17 @@ def pad_tree(tree: Tree, num_slots: int, max_depth: int) -> Tree:
     return build_tree(pad(tree.tokens, 0), pad(tree.parents, -1), pad(tree.scores, -jnp.inf), max_depth)
 
 
+def prune_tree(tree: Tree, min_score: float) -> tuple[Tree, jax.Array]:
+    """The tree without the slots whose cumulative draft log-prob, or an ancestor's, is below
+    `min_score` (made unreachable as in `pad_tree`; the root stays), and the kept slots [B, T]:
+    the rows a verify forward must compute (`llama.forward`'s `active`). A deterministic choice
+    from the draft alone, so every acceptance rule on the rest stays lossless."""
+    ok = tree.scores >= min_score
+    keep = jnp.all(~tree.mask | ok[:, None, :], -1).at[:, 0].set(True)
+    parents = jnp.where(keep, tree.parents, -1)
+    return build_tree(tree.tokens, parents, jnp.where(keep, tree.scores, -jnp.inf), tree.max_depth), keep
+
+
 # ---------------------------------------------------------------------------
 # Walks
 # ---------------------------------------------------------------------------

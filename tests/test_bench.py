@@ -4,7 +4,7 @@ import json
 import pytest
 
 from hsd_jax import load_drafter
-from hsd_jax.bench import format_table, make_runner, run_bench
+from hsd_jax.bench import BenchError, format_table, make_runner, run_bench
 from hsd_jax.prompts import SuiteError, load_suite
 from tests.helpers import run_cli, tiny_target
 
@@ -48,6 +48,35 @@ def test_bench_detects_outputs_that_differ_from_ar(tiny):
 
     out = run_bench({"ar": ar, "broken": wrong}, [[1, 2, 3], [4, 5]], progress=False)
     assert out["ar"]["identical_to_ar"] is True and out["broken"]["identical_to_ar"] is False
+
+
+def test_repeats_count_the_fastest_run_and_pruned_trees_verify_fewer_rows(tiny):
+    ar = make_runner(tiny, "ar", max_new_tokens=8)
+    calls = []
+
+    def timed(ids):   # ar's tokens; the warm-up 9 s, then batch 0: 4 s and 1 s, batch 1: 1 s and 4 s
+        res = ar(ids)
+        calls.append(1)
+        for r in res:
+            r.stats["seconds"] = (9.0, 4.0, 1.0, 1.0, 4.0)[len(calls) - 1]
+        return res
+
+    tree = dict(tree_nodes=6, tree_depth=3, tree_top_k=2)
+    hsd = load_drafter("hsd", target=tiny, random_init=True)
+    runners = {"ar": ar, "timed": timed,
+               "hsd": make_runner(tiny, "hsd", hsd, options=tree, max_new_tokens=8),
+               "hsd~0.3": make_runner(tiny, "hsd~0.3", hsd, options=tree, max_new_tokens=8)}
+    out = run_bench(runners, [[1, 2, 3], [4, 5]], progress=False, repeats=2)
+    assert len(calls) == 1 + 2 * 2   # warm-up on the first batch, then 2 batches x 2 repeats
+    assert out["timed"]["tokens_per_s"] == 8.0 and out["timed"]["identical_to_ar"] is True   # 1 s each: the fastest
+    assert out["ar"]["verify_rows_per_round"] == 1.0 and out["hsd"]["verify_rows_per_round"] == 7.0
+    assert out["hsd~0.3"]["identical_to_ar"] is True and out["hsd~0.3"]["options"]["min_draft_prob"] == 0.3
+    assert out["hsd~0.3"]["verify_rows_per_round"] < 7.0
+    with pytest.raises(BenchError, match="repeats >= 1"):
+        run_bench(runners, [[1, 2]], repeats=0)
+    for bad in ("sd~0.1", "hsd~1.5", "hsd~x"):
+        with pytest.raises(BenchError, match="METHOD~P"):
+            make_runner(tiny, bad)
 
 
 def test_spec_bench_categories_are_suites():

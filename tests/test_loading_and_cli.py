@@ -69,6 +69,8 @@ def test_bad_config_values_are_refused():
     (["--prompt", "hi", "--method", "sd", "--lookup-slots", "2"], "drafts a chain"),
     (["--prompt", "hi", "--method", "hsd", "--lookup-slots", "-1"], "lookup_slots must be >= 0"),
     (["--prompt", "hi", "--method", "hsd", "--lookup-slots", "2", "--lookup-min-match", "5"], "lookup_min_match must be in 0..3"),
+    (["--prompt", "hi", "--method", "hsd", "--min-draft-prob", "1"], "min_draft_prob must be in [0, 1)"),
+    (["--prompt", "hi", "--method", "sd", "--min-draft-prob", "0.1"], "min_draft_prob prunes a draft tree"),
     (["--prompt", "hi", "--drafter", "."], "need a speculative --method"),
     (["--prompt", "hi", "--model", "no-such-model"], "unknown model"),
     (["--prompt", "hi", "--mesh", "2"], "DATAxMODEL"),

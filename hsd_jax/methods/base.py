@@ -101,6 +101,6 @@ class Method:
     @property
     def options(self) -> frozenset:
         """The speculative options (SpecConfig fields) this method reads."""
-        tree = {"tree_nodes", "tree_depth", "tree_top_k", "lookup_slots", "lookup_min_match"}
+        tree = {"tree_nodes", "tree_depth", "tree_top_k", "lookup_slots", "lookup_min_match", "min_draft_prob"}
         shape = tree if self.drafts == "tree" else {"gamma"}
         return frozenset(shape | ({"reuse"} if self.reuse else set()))
