@@ -28,11 +28,15 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
-# The longest modules (most run subprocesses from module fixtures: 1-4 minutes each on 2 cores):
-# collected first, so that under `pytest -n 2 --dist loadfile --no-loadscope-reorder` (README) they
-# start at once and the short modules fill the other worker, instead of one of them starting last.
-LONG_MODULES = ("test_device_pack.py", "test_sharding.py", "test_multihost.py", "test_training.py",
-                "test_notebooks.py")
+# Modules longest first (seconds on 2 cores, 2026-12-02; the first three run subprocesses from
+# module fixtures): under `pytest -n 2 --dist loadfile --no-loadscope-reorder` (README) each worker
+# takes the next module when it is free, so the short ones fill in at the end and neither worker
+# is left running a long module alone (the longest-first rule). Modules not listed run last.
+LONG_MODULES = ("test_device_pack.py", "test_sharding.py", "test_speculative.py", "test_training.py",
+                "test_multihost.py", "test_notebooks.py", "test_shipped_drafters.py", "test_eagle3.py",
+                "test_model_parity.py", "test_tree.py", "test_speculative_smollm2.py", "test_generate.py",
+                "test_cpu_kernels.py", "test_bench.py", "test_tune.py", "test_serving_head.py", "test_lookup.py",
+                "test_tree_attention.py", "test_tokenizer.py")
 
 
 def pytest_collection_modifyitems(config, items):

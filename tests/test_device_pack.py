@@ -53,7 +53,7 @@ def test_dry_run_results_are_real_measurements(dry_run):
     _, out, _ = dry_run
     parts = {k: v["result"] for k, v in json.loads((out / "results.json").read_text())["parts"].items()}
     smoke = parts["smoke"]
-    assert all(row["identical_to_ar"] for dt in ("float32", "bfloat16") for k, row in smoke[dt].items() if k != "ar")
+    assert all(row["identical_to_ar"] for k, row in smoke["float32"].items() if k != "ar")   # bf16: on the device only
     train = parts["train"]
     assert train["data"]["response_tokens"] > 0 and train["data"]["sequences"] >= 8
     for kind in ("hsd", "eagle", "eagle3"):

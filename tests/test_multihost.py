@@ -6,6 +6,7 @@ clear error in bounded time.
 This file is also the worker script (`python tests/test_multihost.py MODE ...`), because the device
 count and the distributed runtime must be set before JAX starts.
 """
+import contextlib
 import glob
 import json
 import os
@@ -251,21 +252,29 @@ def test_a_killed_process_ends_the_other_with_a_clear_error():
     assert seconds < 60 + HEARTBEAT_S
 
 
-@pytest.mark.parametrize("case", ["too_few_started", "counts_differ", "no_coordinator"])
-def test_bad_starts_fail_clearly(case):
-    port = free_port()
-    if case == "too_few_started":
-        procs = [start("fault", ["none"], devices=4, process_id=i, num_processes=3, port=port) for i in (0, 1)]
-        expect = ["only 1 of the 2 other processes", "only 1 of the 2 other processes"]
-    elif case == "counts_differ":
-        procs = [start("fault", ["none"], devices=4, process_id=i, num_processes=n, port=port)
-                 for i, n in ((0, 2), (1, 3))]
-        expect = ["every process needs the same count"] * 2
-    else:
-        procs = [start("fault", ["none"], devices=4, process_id=1, num_processes=2, port=port)]
-        expect = ["could not reach the coordinator at 127.0.0.1"]
-    for proc, text in zip(procs, expect):
-        rc, rep, err, seconds = finish(proc, timeout=60)
+BAD_STARTS = {"too_few_started": ["only 1 of the 2 other processes"] * 2,
+              "counts_differ": ["every process needs the same count"] * 2,
+              "no_coordinator": ["could not reach the coordinator at 127.0.0.1"]}
+
+
+@pytest.fixture(scope="module")
+def bad_starts():
+    """Every bad start's processes at once, each case on its own port: they spend their time
+    waiting for the start-up timeout, so the cases wait together."""
+    with contextlib.ExitStack() as stack:   # the ports stay bound until all are chosen: all differ
+        socks = [stack.enter_context(socket.socket()) for _ in BAD_STARTS]
+        for sk in socks:
+            sk.bind(("127.0.0.1", 0))
+        ports = dict(zip(BAD_STARTS, (sk.getsockname()[1] for sk in socks)))
+    layout = {"too_few_started": ((0, 3), (1, 3)), "counts_differ": ((0, 2), (1, 3)), "no_coordinator": ((1, 2),)}
+    procs = {case: [start("fault", ["none"], devices=4, process_id=i, num_processes=n, port=ports[case])
+                    for i, n in layout[case]] for case in BAD_STARTS}
+    return {case: [finish(p, timeout=60) for p in group] for case, group in procs.items()}
+
+
+@pytest.mark.parametrize("case", list(BAD_STARTS))
+def test_bad_starts_fail_clearly(bad_starts, case):
+    for (rc, rep, err, seconds), text in zip(bad_starts[case], BAD_STARTS[case]):
         assert rc == 3, err[-2000:]
         assert rep["error"].startswith("DistributedError") and text in rep["error"], rep
         assert seconds < INIT_S + 20

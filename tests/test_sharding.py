@@ -14,7 +14,7 @@ import tempfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MESHES = ((1, 8), (2, 4), (4, 2), (8, 1))
+MESHES = ((1, 8), (2, 4), (8, 1))   # model axis only, both, data axis only
 SPEC = dict(tree_nodes=6, tree_depth=3, tree_top_k=2, reuse="chain")
 
 

@@ -45,6 +45,7 @@ MARGIN_S = 12  # a part stops starting new work this long before its hard limit
 class Sizes:
     """Everything that scales between the GPU run and the CPU dry run."""
 
+    smoke_dtypes: tuple = ("float32", "bfloat16")
     gen_batch: int = 512
     gen_new_tokens: int = 384       # the first lease used up all prompts at 256 (3.96M tokens)
     gen_prompt_tokens: int = 256
@@ -86,7 +87,7 @@ class Sizes:
     max_cache_len: int = 1024
 
 
-DRY = Sizes(gen_batch=4, gen_new_tokens=8, gen_prompt_tokens=96, gen_bucket=32, gen_share=0.5, min_prompts=8, max_prompts=24,
+DRY = Sizes(smoke_dtypes=("float32",), gen_batch=4, gen_new_tokens=8, gen_prompt_tokens=96, gen_bucket=32, gen_share=0.5, min_prompts=8, max_prompts=24,
             train_batch=2, train_window=48, train_unroll=2, train_ce_positions=8, train_steps=3, train_vocab=256,
             feature_batch=2, bench_prompts=2, bench_new_tokens=6, bench_bucket=32, bench_tree=(3, 2, 2),
             bench_batch8_methods="ar,hsd-refresh", bench_batch1_methods="ar,eagle,eagle3",
@@ -138,13 +139,13 @@ def part_smoke(args, deadline: float) -> dict:
 
     out = {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "backend": jax.default_backend()}
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
-    for dtype, kinds in (("float32", ("hsd", "eagle")), ("bfloat16", ("hsd", "eagle"))):
+    for dtype in args.sizes.smoke_dtypes:   # the dry run: float32 only (bf16 on the CPU: tests/test_speculative.py)
         cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                           num_kv_heads=2, dtype=dtype, attention_impl=args.attention_impl)
         target = Target(llama.init_params(cfg, jax.random.key(0), init_std=0.3), cfg, None, 256, "tiny")
         ar = generate(target, prompts, max_new_tokens=24)
         rows = out[dtype] = {"ar": {"compile_s": round(ar[0].stats["compile_seconds"], 2)}}
-        for kind in kinds:
+        for kind in ("hsd", "eagle"):
             d = load_drafter(kind, target=target, random_init=True)
             res = generate(target, prompts, max_new_tokens=24, method=kind, drafter=d, tree_nodes=6, tree_depth=3,
                            tree_top_k=2)
