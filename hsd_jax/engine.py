@@ -118,8 +118,9 @@ class SpecConfig:
     `min_draft_prob` p > 0: draft nodes whose path probability under the drafter is below p leave
     the tree before the verify (`tree.prune_tree`: unreachable, their rows skipped by the CPU
     kernels), so a round costs fewer rows where the drafter is unsure; lookup nodes count as
-    certain unless they hang below a pruned draft node, which takes them along. Lossless (a choice made from the draft alone); it saves time only where verify rows
-    cost (the CPU kernels) and otherwise only lowers acceptance."""
+    certain and keep the draft nodes whose path spells their prefix. Lossless (a choice made
+    from the draft alone); it saves time only where verify rows cost (the CPU kernels) and
+    otherwise only lowers acceptance."""
 
     method: str = "hsd"
     reuse: str = "none"   # measured: none >= refresh in tau everywhere, refresh saves drafter steps (BENCHMARKS.md)

@@ -335,12 +335,15 @@ def pad_tree(tree: Tree, num_slots: int, max_depth: int) -> Tree:
 
 
 def prune_tree(tree: Tree, min_score: float) -> tuple[Tree, jax.Array]:
-    """The tree without the slots whose cumulative draft log-prob, or an ancestor's, is below
-    `min_score` (made unreachable as in `pad_tree`; the root stays), and the kept slots [B, T]:
-    the rows a verify forward must compute (`llama.forward`'s `active`). A deterministic choice
+    """The tree without the slots whose subtree holds no slot scoring at least `min_score` (made
+    unreachable as in `pad_tree`; the root stays), and the kept slots [B, T]: the rows a verify
+    forward must compute (`llama.forward`'s `active`). Draft scores (cumulative log-probs) only
+    fall along a path, so a draft node goes when its own score is below the floor, and takes its
+    subtree along, unless a lookup node (score 0) hangs below it: the retrieved continuation keeps
+    the path that spells its prefix. Kept slots are closed under ancestors. A deterministic choice
     from the draft alone, so every acceptance rule on the rest stays lossless."""
     ok = tree.scores >= min_score
-    keep = jnp.all(~tree.mask | ok[:, None, :], -1).at[:, 0].set(True)
+    keep = jnp.any(tree.mask & ok[:, :, None], 1).at[:, 0].set(True)   # mask[b, j, i]: i is on j's path
     parents = jnp.where(keep, tree.parents, -1)
     return build_tree(tree.tokens, parents, jnp.where(keep, tree.scores, -jnp.inf), tree.max_depth), keep
 

@@ -386,19 +386,24 @@ def test_padded_slots_are_never_reached():
 
 
 def test_pruned_slots_and_their_descendants_are_never_reached():
-    """`prune_tree`: a slot below the score floor, and everything under it (a lookup node scored 0
-    included), is unreachable and inactive; the rest of the tree and its walks are unchanged."""
+    """`prune_tree`: a draft slot below the score floor, and everything under it, is unreachable
+    and inactive, unless a lookup node (score 0) hangs below it; the rest of the tree and its
+    walks are unchanged."""
     log = np.log
-    # root -> 1 (0.9) -> 3 (0.9*0.5); root -> 2 (0.05) -> 4 (lookup node, score 0 below a pruned slot)
-    t = tr.build_tree(jnp.asarray([[7, 5, 6, 8, 9]]), jnp.asarray([[-1, 0, 0, 1, 2]]),
-                      jnp.asarray([[0.0, log(0.9), log(0.05), log(0.45), 0.0]]), 2)
+    # root -> 1 (0.9) -> 3 (0.9*0.5); root -> 2 (0.05) -> 4 (0.02): pruned;
+    # root -> 5 (0.04) -> 6 (a lookup node, score 0): kept with the unlikely slot it hangs below
+    t = tr.build_tree(jnp.asarray([[7, 5, 6, 8, 9, 4, 3]]), jnp.asarray([[-1, 0, 0, 1, 2, 0, 5]]),
+                      jnp.asarray([[0.0, log(0.9), log(0.05), log(0.45), log(0.02), log(0.04), 0.0]]), 2)
     p, keep = tr.prune_tree(t, float(log(0.1)))
-    assert np.asarray(keep[0]).tolist() == [True, True, False, True, False]
-    assert np.asarray(p.parents[0]).tolist() == [-1, 0, -1, 1, -1]
-    m, path, _ = tr.greedy_walk(p, jnp.asarray([[6, 9, 9, 0, 0]]))      # the target wants the pruned branch
+    assert np.asarray(keep[0]).tolist() == [True, True, False, True, False, True, True]
+    assert np.asarray(p.parents[0]).tolist() == [-1, 0, -1, 1, -1, 0, 5]
+    m, path, _ = tr.greedy_walk(p, jnp.asarray([[6, 9, 9, 0, 0, 0, 0]]))      # the target wants the pruned branch
     assert int(m[0]) == 0 and np.asarray(path[0]).tolist() == [0, -1, -1]
-    m, path, _ = tr.greedy_walk(p, jnp.asarray([[5, 8, 0, 3, 0]]))
+    m, path, _ = tr.greedy_walk(p, jnp.asarray([[5, 8, 0, 3, 0, 0, 0]]))
     assert int(m[0]) == 2 and np.asarray(path[0]).tolist() == [0, 1, 3]
-    assert not np.asarray(p.mask[0][np.ix_([0, 1, 3], [2, 4])]).any()   # no kept slot sees a pruned one
+    m, path, _ = tr.greedy_walk(p, jnp.asarray([[4, 0, 0, 0, 0, 3, 0]]))      # the lookup continuation
+    assert int(m[0]) == 2 and np.asarray(path[0]).tolist() == [0, 5, 6]
+    kept, pruned = [0, 1, 3, 5, 6], [2, 4]
+    assert not np.asarray(p.mask[0][np.ix_(kept, pruned)]).any()              # no kept slot sees a pruned one
     same, keep = tr.prune_tree(t, -np.inf)
     assert bool(keep.all()) and np.array_equal(same.parents, t.parents)

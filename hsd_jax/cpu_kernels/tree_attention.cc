@@ -97,13 +97,23 @@ static inline v16 Reduce16(const v16* acc) {
 // out[n, dh] (dh = 16 VECS) for query rows q[n, dh] of one query head over its kv head's K, V [s, dh]: scores
 // of slots [0, end) 16 at a time, hidden ones set to -inf, a softmax per row, then the weighted sum of V with
 // 4 rows' outputs in registers. Slots past `end` are never read (the last block re-reads slot end - 1).
+struct Scratch {                              // per thread, reused across calls: no allocation per head
+  std::vector<float> sc;                      // scores, then softmax numerators [n, stride]
+  std::vector<float> inv;                     // 1 / softmax denominator per row
+  std::vector<int64_t> live;                  // rows that are their own ancestor; the others are skipped, output 0
+};
+
 template <int VECS>
 static void Head(const float* q, const float* K, const float* V, const int32_t* anc, int64_t n, int64_t len,
-                 int64_t end, float scale, float* out, std::vector<float>& sc) {
+                 int64_t end, float scale, float* out, Scratch& scratch) {
   constexpr int64_t dh = 16 * VECS;
   const int64_t stride = (end + 15) / 16 * 16;
+  std::vector<float>& sc = scratch.sc;
+  std::vector<float>& inv = scratch.inv;
+  std::vector<int64_t>& live = scratch.live;
   sc.resize(n * stride);
-  std::vector<int64_t> live;                  // rows that are their own ancestor; the others are skipped, output 0
+  inv.resize(n);
+  live.clear();
   for (int64_t i = 0; i < n; ++i) {
     if (anc[i * n + i]) {
       live.push_back(i);
@@ -131,7 +141,6 @@ static void Head(const float* q, const float* K, const float* V, const int32_t* 
       __builtin_memcpy(sc.data() + i * stride + j0, &scores, sizeof(v16));
     }
   }
-  std::vector<float> inv(n);
   for (const int64_t i : live) {              // softmax numerators and 1 / denominators per row
     float* row = sc.data() + i * stride;
     v16 vm = Splat(-kInf);
@@ -174,7 +183,7 @@ static void Head(const float* q, const float* K, const float* V, const int32_t* 
 }
 
 using HeadFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, float,
-                        float*, std::vector<float>&);
+                        float*, Scratch&);
 static constexpr HeadFn kHeads[] = {Head<1>, Head<2>, Head<3>, Head<4>, Head<5>, Head<6>, Head<7>, Head<8>};
 constexpr int64_t kMaxHeadDim = 128;
 
@@ -200,7 +209,7 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const int64_t tasks = b * hq;
   const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), tasks) - 1);
   ParallelFor(pool, tasks, helpers, [&](int64_t t) {
-    thread_local std::vector<float> sc;
+    thread_local Scratch sc;
     const int64_t bi = t / hq, h = t % hq, kvh = h / group;
     const int64_t len = std::clamp<int64_t>(lens[bi], 0, s), end = std::min<int64_t>(len + n, s);
     const int64_t kv = (bi * hkv + kvh) * s * dh;
