@@ -260,6 +260,7 @@ def test_training_time_test_unroll_matches_the_engine_tree_steps(target):
     from hsd_jax.models import eagle3, llama
     from hsd_jax.train import losses
 
+    layer = jax.jit(eagle3.layer, static_argnames="cfg")   # jitted: eager, its many small ops dispatch one by one (4x slower)
     cfg = eagle3.Eagle3Config.for_target(target.config, draft_vocab_size=VOCAB)
     params = eagle3.init_params(cfg, jax.random.key(1), std=0.1)
     rng = np.random.default_rng(2)
@@ -271,7 +272,7 @@ def test_training_time_test_unroll_matches_the_engine_tree_steps(target):
     batch = losses.Batch(tokens, out.features, jnp.ones((1, w), bool), jnp.ones((1, w), bool),
                          jnp.moveaxis(out.aux_features, 0, 2))
     table = target.params["embed_tokens"]["embedding"]
-    outs = losses.unrolled_eagle3(params, cfg, table, batch, 3)
+    outs = jax.jit(losses.unrolled_eagle3, static_argnames=("cfg", "steps"))(params, cfg, table, batch, 3)
     x_next = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], 1)
     emb = jnp.take(table, x_next, axis=0)
     fused = eagle3.fuse(params, out.aux_features)
@@ -279,12 +280,12 @@ def test_training_time_test_unroll_matches_the_engine_tree_steps(target):
         for q in (k - 1, 6, w - 2):
             s = q - k + 1                                    # the chain's last true position
             cache = init_cache(1, 1, cfg.num_kv_heads, 32, cfg.head_dim)
-            h, cache = eagle3.layer(params, cfg, fused[:, : s + 1], emb[:, : s + 1], pos[:, : s + 1], cache)
+            h, cache = layer(params, cfg, fused[:, : s + 1], emb[:, : s + 1], pos[:, : s + 1], cache)
             cache = cache.replace(lengths=cache.lengths + s + 1)
             path, hid = [], h[:, -1:]                          # the hidden inputs along one tree path
             for j in range(1, k):                            # the depth-(j+1) node at s + j, child of the last
                 path.append(hid)
-                got, _ = eagle3.layer(params, cfg, jnp.concatenate(path, 1), emb[:, s + 1: s + j + 1],
+                got, _ = layer(params, cfg, jnp.concatenate(path, 1), emb[:, s + 1: s + j + 1],
                                       pos[:, s + 1: s + j + 1], cache, jnp.arange(-1, j - 1, dtype=jnp.int32)[None])
                 hid = got[:, -1:]
             np.testing.assert_allclose(np.asarray(hid[0, 0]), np.asarray(outs[k - 1][0, q]), rtol=1e-4, atol=1e-4,

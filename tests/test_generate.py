@@ -16,10 +16,12 @@ def tiny():
 
 
 def _naive_greedy(tgt, ids, n):
-    """Greedy decoding by recomputing the full sequence every step (no KV cache)."""
+    """Greedy decoding by recomputing the full sequence every step (no KV cache). The sequence is
+    padded to its final length (one compile): a causal forward's earlier positions never see it."""
     seq = list(ids)
     for _ in range(n):
-        seq.append(int(np.argmax(jax_logits(tgt.params, tgt.config, [seq])[0, -1])))
+        padded = seq + [0] * (len(ids) + n - len(seq))
+        seq.append(int(np.argmax(jax_logits(tgt.params, tgt.config, [padded])[0, len(seq) - 1])))
     return seq[len(ids):]
 
 

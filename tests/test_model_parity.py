@@ -20,10 +20,10 @@ def test_smollm2_logits_match_pytorch(smol, smol_torch, mt_prompts):
 
 
 def test_smollm2_greedy_64_tokens_match_pytorch(smol, smol_torch, mt_prompts):
-    for prompt in (mt_prompts[0], mt_prompts[10], mt_prompts[40]):
-        ids = smol.encode(prompt, chat=True)
-        ours = generate(smol, [ids], max_new_tokens=64)[0].token_ids
-        assert ours == torch_greedy(smol_torch, ids, 64)
+    prompts = [smol.encode(mt_prompts[i], chat=True) for i in (0, 10, 40)]
+    ours = generate(smol, prompts, max_new_tokens=64)   # one batch, one compile (batched = alone: test_generate)
+    for ids, res in zip(prompts, ours):
+        assert res.token_ids == torch_greedy(smol_torch, ids, 64)
 
 
 def _tiny_hf(tmp_path, cls_name, cfg_name, **kw):

@@ -204,7 +204,8 @@ def check_train_run(report):
 
 
 def check_smollm2(report):
-    """SmolLM2-135M (9 heads, 3 KV heads) on 1x3 and 3x1, real chat prompts, ar and hsd."""
+    """SmolLM2-135M (9 heads, 3 KV heads) split over the model axis (1x3), real chat prompts, ar and
+    hsd (the data axis: the tiny target's 2x4 and 8x1)."""
     from hsd_jax import generate, load_drafter, load_target, sharding
     from hsd_jax.prompts import load_suite
 
@@ -214,7 +215,7 @@ def check_smollm2(report):
     kw = dict(max_new_tokens=12, chat=True)
     ref = {"ar": _ids(generate(t, prompts, **kw)),
            "hsd": _ids(generate(t, prompts, method="hsd", drafter=d, **SPEC, **kw))}
-    for data, model in ((1, 3), (3, 1)):
+    for data, model in ((1, 3),):
         mesh = sharding.make_mesh(data, model)
         report[f"smollm2_{data}x{model}"] = {
             "ar": _ids(generate(t, prompts, mesh=mesh, **kw)) == ref["ar"],
@@ -363,10 +364,9 @@ def test_bad_mesh_errors_name_the_dimension(report):
 
 
 @pytest.mark.slow
-def test_smollm2_on_1x3_and_3x1_matches_single_device(children):
+def test_smollm2_on_1x3_matches_single_device(children):
     rep = child_report(children["smollm2"])
     assert rep["smollm2_1x3"] == {"ar": True, "hsd": True}
-    assert rep["smollm2_3x1"] == {"ar": True, "hsd": True}
 
 
 if __name__ == "__main__":

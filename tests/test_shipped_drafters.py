@@ -20,12 +20,18 @@ def test_hsd_drafter_is_shipped():
     assert os.path.isfile(os.path.join(SHIPPED_DRAFTERS, "smollm2-135m", "hsd", "MODEL_CARD.md"))
 
 
+@pytest.fixture(scope="module")
+def prompts_and_ar(smol, mt_prompts):
+    """Two MT-bench prompts and their greedy ar tokens, shared by every drafter's case."""
+    ids = [smol.encode(mt_prompts[i], chat=True) for i in (3, 7)]
+    return ids, [r.token_ids for r in generate(smol, ids, max_new_tokens=48)]
+
+
 @pytest.mark.parametrize("kind", SHIPPED)
-def test_shipped_drafter_is_lossless_and_accepts(smol, mt_prompts, kind):
+def test_shipped_drafter_is_lossless_and_accepts(smol, prompts_and_ar, kind):
     drafter = load_drafter(kind, target=smol)
     assert drafter.path.endswith(os.path.join("smollm2-135m", kind))
-    ids = [smol.encode(mt_prompts[i], chat=True) for i in (3, 7)]
-    ref = [r.token_ids for r in generate(smol, ids, max_new_tokens=48)]
+    ids, ref = prompts_and_ar
     res = generate(smol, ids, max_new_tokens=48, method=kind, drafter=drafter, **BUDGET[kind])
     assert [r.token_ids for r in res] == ref
     rounds = sum(r.stats["rounds"] for r in res)

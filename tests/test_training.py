@@ -53,7 +53,7 @@ def test_chain_diagnostics_tell_a_copying_chain_from_a_working_one(tiny):
                          jnp.asarray(np.arange(w)[None].repeat(b, 0) < w - 2), jnp.ones((b, w), bool))
 
     def report(params):
-        sums = losses.chain_acceptance(params, d.config, view, t2d, batch, 3)
+        sums = jax.jit(losses.chain_acceptance, static_argnames=("dcfg", "steps"))(params, d.config, view, t2d, batch, 3)
         return chain_report({k: np.asarray(v, np.float64) for k, v in sums.items()})
 
     copying = report(zero_layers(d.params))
@@ -79,7 +79,8 @@ def test_unrolled_chain_matches_the_engine_chain_steps(tiny, layers):
     feats = jnp.asarray(rng.normal(size=(1, w, tiny.config.hidden_size)) * 3, jnp.float32)
     batch = losses.Batch(jnp.asarray(rng.integers(0, 64, (1, w)), jnp.int32), feats, jnp.ones((1, w), bool),
                          jnp.ones((1, w), bool))
-    outs = losses.unrolled_features(params, dcfg, None, batch, 3)
+    outs = jax.jit(losses.unrolled_features, static_argnames=("dcfg", "steps"))(params, dcfg, None, batch, 3)
+    run_layers = jax.jit(dmod.run_layers, static_argnames="cfg")   # eager, its many small ops dispatch one by one
     z = dmod.input_features(params, dcfg, feats, None)
     pos = jnp.arange(w, dtype=jnp.int32)[None]
     lcfg = dcfg.layer_config()
@@ -87,10 +88,10 @@ def test_unrolled_chain_matches_the_engine_chain_steps(tiny, layers):
         for q in (k - 1, 5, w - 1):
             s = q - k + 1
             cache = init_cache(layers, 1, lcfg.num_kv_heads, 32, lcfg.head_dim)
-            g, cache = dmod.run_layers(params, dcfg, z[:, : s + 1], pos[:, : s + 1], cache)
+            g, cache = run_layers(params, dcfg, z[:, : s + 1], pos[:, : s + 1], cache)
             cache, g = cache.replace(lengths=cache.lengths + s + 1), g[:, -1:]
             for j in range(1, k):
-                g, cache = dmod.run_layers(params, dcfg, g, pos[:, s + j: s + j + 1], cache)
+                g, cache = run_layers(params, dcfg, g, pos[:, s + j: s + j + 1], cache)
                 cache = cache.replace(lengths=cache.lengths + 1)
             np.testing.assert_allclose(np.asarray(g[0, 0]), np.asarray(outs[k - 1][0, q]), rtol=1e-4, atol=1e-4,
                                        err_msg=f"{layers} layers, step {k} at {q}")
@@ -123,13 +124,14 @@ def test_soft_labels_are_the_target_distribution_over_the_draft_vocab(tiny):
     entropy = -(p * np.log(p)).sum()
     kw = dict(steps=3, ce_positions=6)
     soft = losses.LossWeights(feature=0.0, ce=1.0, soft_labels=True)
-    total, m = losses.drafter_loss(params, d.config, view, t2d, batch, jax.random.key(0), weights=soft, **kw)
+    loss = jax.jit(losses.drafter_loss, static_argnames=("dcfg", "steps", "ce_positions", "weights"))
+    total, m = loss(params, d.config, view, t2d, batch, jax.random.key(0), weights=soft, **kw)
     for k in (1, 2, 3):
         assert float(m[f"ce_{k}"]) == pytest.approx(entropy, rel=1e-4)
         assert float(m[f"feat_{k}"]) == pytest.approx(0.0, abs=1e-6)
     assert float(total) == pytest.approx(entropy * (1 + 0.8 + 0.64), rel=1e-4)
     hard = losses.LossWeights(feature=0.0, ce=1.0)
-    _, mh = losses.drafter_loss(params, d.config, view, t2d, batch, jax.random.key(0), weights=hard, **kw)
+    _, mh = loss(params, d.config, view, t2d, batch, jax.random.key(0), weights=hard, **kw)
     assert float(mh["ce_1"]) != pytest.approx(entropy, rel=1e-2)
     assert float(mh["ce_1"]) > -np.log(p.max()) - 1e-4   # a label's surprisal is at least the mode's
 
@@ -165,7 +167,7 @@ def test_readout_context_sees_the_path_tokens(tiny):
         return losses.drafter_loss(p, d.config, view, jnp.arange(64, dtype=jnp.int32), batch, jax.random.key(0),
                                    steps=2, ce_positions=6)[0]
 
-    grad_w1 = jax.grad(loss)(d.params)["inject"]["w1"]
+    grad_w1 = jax.jit(jax.grad(loss))(d.params)["inject"]["w1"]
     d_ = tiny.config.hidden_size
     assert float(jnp.abs(grad_w1[2 * d_:]).sum()) > 0   # the context tokens' rows learn
     prompts = [rng.integers(0, 64, size=n).tolist() for n in (1, 5, 12)]
@@ -298,11 +300,12 @@ def test_loss_weights_default_to_the_kinds_recipe_and_eagle3_can_regress_feature
                          jnp.asarray(rng.normal(0, 3.0, (b, w, 3, d)), jnp.float32))
     t2d = jnp.asarray(np.where(np.arange(64) < 48, np.arange(64), -1), jnp.int32)
     table = tiny.params["embed_tokens"]["embedding"]
-    run = lambda fw: losses.eagle3_loss(params, cfg, table, t2d, batch, jax.random.key(1), steps=2, ce_positions=4,
-                                        weights=losses.LossWeights(feature=fw, ce=1.0), feature_rms=3.0)
+    loss = jax.jit(losses.eagle3_loss, static_argnames=("cfg", "steps", "ce_positions", "weights", "feature_rms"))
+    run = lambda fw: loss(params, cfg, table, t2d, batch, jax.random.key(1), steps=2, ce_positions=4,
+                          weights=losses.LossWeights(feature=fw, ce=1.0), feature_rms=3.0)
     (plain, m0), (both, m2) = run(0.0), run(2.0)
     assert "feat_1" not in m0
-    outs = losses.unrolled_eagle3(params, cfg, table, batch, 2)
+    outs = jax.jit(losses.unrolled_eagle3, static_argnames=("cfg", "steps"))(params, cfg, table, batch, 2)
     f_next = np.concatenate([feats[:, 1:], feats[:, -1:]], 1)
     valid = np.asarray(batch.valid)
     want = [float((np.asarray(optax.huber_loss((np.asarray(h) - f_next) / 3.0, delta=1.0)).mean(-1) * mk).sum()
