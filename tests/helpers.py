@@ -1,8 +1,18 @@
 """Small utilities shared by tests: run a full-sequence forward and compare with PyTorch."""
+import os
+
 import numpy as np
 
+from hsd_jax.api import FAST_COMPILE_OPTIONS
 from hsd_jax.cache import init_cache
 from hsd_jax.models import llama
+
+SUITE_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE_OPTIONS.items())
+
+
+def child_xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a child process with `devices` fake CPU devices, keeping the suite's flags."""
+    return " ".join(filter(None, [os.environ.get("XLA_FLAGS"), f"--xla_force_host_platform_device_count={devices}"]))
 
 
 def jax_logits(target_or_params, cfg, tokens):

@@ -145,8 +145,10 @@ def free_port() -> int:
 
 def start(mode: str, args, *, devices: int, process_id: int | None = None, num_processes: int | None = None,
           port: int | None = None, env_extra: dict | None = None) -> subprocess.Popen:
+    from tests.helpers import child_xla_flags
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSD_")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env.update(XLA_FLAGS=child_xla_flags(devices), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                HSD_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S), HSD_INIT_TIMEOUT_S=str(INIT_S))
     if process_id is not None:

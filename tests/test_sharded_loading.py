@@ -27,7 +27,9 @@ print(json.dumps({
 
 
 def test_load_target_with_mesh_shards_weights(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    from tests.helpers import child_xla_flags
+
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags(4), JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(__file__))
     r = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "m")], capture_output=True, text=True,
                        timeout=600, env=env, cwd=root)

@@ -260,7 +260,9 @@ CHECKS = {"tiny": (check_generate, check_pallas, check_placement, check_training
 
 
 def start_child(which: str) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    from tests.helpers import child_xla_flags
+
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")   # files: no pipe to fill up
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), which], env=env, cwd=ROOT, stdout=out,

@@ -19,6 +19,14 @@ jit_build = jax.jit(tr.build_tree, static_argnums=(3,))
 jit_walk = jax.jit(tr.greedy_walk)
 jit_expand = jax.jit(tr.expand_frontier, static_argnums=(2,))
 jit_children = jax.jit(tr.child_candidates)
+jit_positions = jax.jit(tr.positions)
+jit_pad = jax.jit(tr.pad_tree, static_argnums=(1, 2))
+jit_prune = jax.jit(tr.prune_tree)
+
+
+def host(tree):
+    """A jitted result as numpy: indexing it then runs no eager JAX op (each would compile)."""
+    return jax.tree.map(np.asarray, tree)
 
 
 # ---------------------------------------------------------------------------
@@ -120,7 +128,7 @@ def test_chain_tree_is_chain_and_mask_closure_at_depth_boundary(num_slots):
     draft = jnp.asarray(rng.integers(0, 100, (2, d)), jnp.int32)
     cum = jnp.asarray(np.cumsum(-rng.exponential(size=(2, d)), axis=1), jnp.float32)
     for fn in (tr.chain_tree, jit_chain) if num_slots == 5 else (jit_chain,):
-        t = fn(draft, jnp.array([7, 8]), cum)
+        t = host(fn(draft, jnp.array([7, 8]), cum))
         tr.check_tree(t)
         np.testing.assert_array_equal(t.parents[0], np.arange(-1, d))
         np.testing.assert_array_equal(t.depth[1], np.arange(num_slots))
@@ -128,21 +136,21 @@ def test_chain_tree_is_chain_and_mask_closure_at_depth_boundary(num_slots):
         np.testing.assert_array_equal(t.tokens[:, 0], [7, 8])
         np.testing.assert_array_equal(t.tokens[:, 1:], draft)
         np.testing.assert_allclose(t.scores[:, 1:], cum)
-    assert tr.chain_tree(draft, jnp.array([1, 2])).scores.sum() == 0
+    assert np.asarray(jit_chain(draft, jnp.array([1, 2])).scores).sum() == 0
 
 
 def test_chain_walk_accepts_prefix():
-    t = tr.chain_tree(jnp.array([[5, 6, 7, 8]]), jnp.array([4]))
-    n, path, last = tr.greedy_walk(t, jnp.array([[5, 6, 9, 8, 1]]))
+    t = jit_chain(jnp.array([[5, 6, 7, 8]]), jnp.array([4]))
+    n, path, last = host(jit_walk(t, jnp.array([[5, 6, 9, 8, 1]])))
     assert int(n[0]) == 2 and int(last[0]) == 2
     np.testing.assert_array_equal(path[0], [0, 1, 2, -1, -1])
-    n, _, last = tr.greedy_walk(t, jnp.array([[5, 6, 7, 8, 1]]))
+    n, _, last = host(jit_walk(t, jnp.array([[5, 6, 7, 8, 1]])))
     assert int(n[0]) == 4 and int(last[0]) == 4
 
 
 def test_positions():
-    t = tr.chain_tree(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32))
-    np.testing.assert_array_equal(tr.positions(t, jnp.array([10, 20])), [[10, 11, 12, 13], [20, 21, 22, 23]])
+    t = jit_chain(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32))
+    np.testing.assert_array_equal(jit_positions(t, jnp.array([10, 20])), [[10, 11, 12, 13], [20, 21, 22, 23]])
 
 
 @SETTINGS
@@ -151,7 +159,7 @@ def test_build_tree_random_parents_matches_reference(seed, num_slots):
     rng = np.random.default_rng(seed)
     par = np.array([[-1] + [rng.integers(0, i) for i in range(1, num_slots)] for _ in range(2)], np.int32)
     d = num_slots - 1
-    t = jit_build(jnp.zeros((2, num_slots)), jnp.asarray(par), jnp.zeros((2, num_slots)), d)
+    t = host(jit_build(jnp.zeros((2, num_slots)), jnp.asarray(par), jnp.zeros((2, num_slots)), d))
     for b in range(2):
         ref = tr.reference_structure(par[b], d)
         for name in ("depth", "mask", "paths", "first_child", "next_sibling"):
@@ -206,7 +214,7 @@ def test_dynamic_tree_parent_wins_exact_ties():
     scores = [jnp.zeros((1, 2)), jnp.zeros((1, 4)), jnp.zeros((1, 4))]
     parents = [jnp.full((1, 2), -1), jnp.array([[0, 0, 1, 1]]), jnp.array([[0, 0, 1, 1]])]
     for n in (2, 4, 7, 11):
-        t = jit_dynamic(toks, scores, parents, jnp.array([0]), n)
+        t = host(jit_dynamic(toks, scores, parents, jnp.array([0]), n))
         tr.check_tree(t)
         np.testing.assert_array_equal(t.tokens[0], np.arange(n))
 
@@ -216,7 +224,7 @@ def test_dynamic_tree_slot_order_and_links():
     toks = [jnp.array([[1, 2]]), jnp.array([[3, 4, 5, 6]])]
     scores = [jnp.array([[-1.0, -2.0]]), jnp.array([[-1.5, -3.0, -2.5, -9.0]])]
     parents = [jnp.array([[-1, -1]]), jnp.array([[0, 0, 1, 1]])]
-    t = tr.dynamic_tree(toks, scores, parents, jnp.array([0]), 6)
+    t = host(jit_dynamic(toks, scores, parents, jnp.array([0]), 6))
     tr.check_tree(t)
     np.testing.assert_array_equal(t.tokens[0], [0, 1, 2, 3, 5, 4])
     np.testing.assert_array_equal(t.parents[0], [-1, 0, 0, 1, 2, 1])
@@ -320,13 +328,13 @@ def test_greedy_walk_matches_brute_force(seed, shape, frac, vocab):
 
 
 def test_check_tree_rejects_broken_trees():
-    t = tr.chain_tree(jnp.array([[5, 6, 7]]), jnp.array([4]))
+    t = host(jit_chain(jnp.array([[5, 6, 7]]), jnp.array([4])))
     with pytest.raises(AssertionError):
-        tr.check_tree(t.replace(parents=jnp.array([[-1, 0, 3, 2]])))
+        tr.check_tree(t.replace(parents=np.array([[-1, 0, 3, 2]])))
     with pytest.raises(AssertionError):
-        tr.check_tree(t.replace(mask=jnp.ones_like(t.mask)))
+        tr.check_tree(t.replace(mask=np.ones_like(t.mask)))
     with pytest.raises(AssertionError):
-        tr.check_tree(t.replace(next_sibling=jnp.array([[-1, 2, -1, -1]])))
+        tr.check_tree(t.replace(next_sibling=np.array([[-1, 2, -1, -1]])))
 
 
 def test_eager_matches_jit_and_single_slot_trees():
@@ -334,30 +342,29 @@ def test_eager_matches_jit_and_single_slot_trees():
     rng = np.random.default_rng(1)
     toks, scores, parents = eagle2_inputs(rng, 2, 2, 3, "ties", vocab=3)
     root = np.array([0, 1], np.int32)
-    for num_slots in (1, 7):
-        t = tr.dynamic_tree(toks, scores, parents, root, num_slots)
-        t_jit = jit_dynamic(toks, scores, parents, root, num_slots)
-        tr.check_tree(t)
-        for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(t_jit)):
-            np.testing.assert_array_equal(a, b)
-        target = jnp.asarray(random_targets(rng, t, 3))
-        for a, b in zip(tr.greedy_walk(t, target), jit_walk(t, target)):
-            np.testing.assert_array_equal(a, b)
+    t = tr.dynamic_tree(toks, scores, parents, root, 7)     # eager: every op dispatched on its own
+    t_jit = jit_dynamic(toks, scores, parents, root, 7)
+    tr.check_tree(t)
+    for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(t_jit)):
+        np.testing.assert_array_equal(a, b)
+    target = jnp.asarray(random_targets(rng, t, 3))
+    for a, b in zip(tr.greedy_walk(t, target), jit_walk(t, target)):
+        np.testing.assert_array_equal(a, b)
     root_only = jit_dynamic(toks, scores, parents, root, 1)
-    n, path, last = jit_walk(root_only, jnp.zeros((2, 1), jnp.int32))
+    tr.check_tree(root_only)
+    n, path, last = host(jit_walk(root_only, jnp.zeros((2, 1), jnp.int32)))
     np.testing.assert_array_equal(n, [0, 0]), np.testing.assert_array_equal(last, [0, 0])
     np.testing.assert_array_equal(path, [[0, -1, -1, -1]] * 2)
 
 
 def test_attach_chain_hangs_the_chain_below_its_longest_spelled_prefix():
     # root(9) -> a:1 -> c:3 ; root -> b:2 -> d:4 ; depth 2
-    t = tr.build_tree(jnp.array([[9, 1, 2, 3, 4]] * 4), jnp.array([[-1, 0, 0, 1, 2]] * 4),
-                      jnp.zeros((4, 5)), 2)
+    t = jit_build(jnp.array([[9, 1, 2, 3, 4]] * 4), jnp.array([[-1, 0, 0, 1, 2]] * 4), jnp.zeros((4, 5)), 2)
     chains = jnp.array([[1, 3, 7, 8, 6],    # spells root-a-c: hang below c (slot 3)
                         [2, 5, 7, 8, 6],    # spells root-b only: below b (slot 2), from token 5
                         [6, 6, 7, 8, 6],    # spells nothing: below the root
                         [2, 4, 2, 4, 2]])   # full match then continues
-    out = jax.jit(tr.attach_chain, static_argnums=2)(t, chains, 3)
+    out = host(jax.jit(tr.attach_chain, static_argnums=2)(t, chains, 3))
     tr.check_tree(out, score_order=False)
     assert out.max_depth == 5 and out.num_slots == 8
     assert np.asarray(out.parents)[:, 5:].tolist() == [[3, 5, 6], [2, 5, 6], [0, 5, 6], [4, 5, 6]]
@@ -369,20 +376,20 @@ def test_attach_chain_hangs_the_chain_below_its_longest_spelled_prefix():
         assert len(set(kids)) == len(kids)
     # greedy walk follows the merged chain: a target that wants 1,3,7,8,6 accepts all five
     want = jnp.array([[1, 3, 9, 7, 9, 8, 6, 0]])
-    m, path, _ = tr.greedy_walk(jax.tree.map(lambda x: x[:1], out), want)
-    assert int(m[0]) == 5 and np.asarray(path)[0].tolist() == [0, 1, 3, 5, 6, 7]
+    m, path, _ = host(jit_walk(jax.tree.map(lambda x: x[:1], out), want))
+    assert int(m[0]) == 5 and path[0].tolist() == [0, 1, 3, 5, 6, 7]
 
 
 def test_padded_slots_are_never_reached():
     """`pad_tree`: the larger shape's extra slots have no parent, so no walk reaches them even when
     they hold the token the target wants."""
-    p = tr.pad_tree(tr.chain_tree(jnp.asarray([[5, 6]]), jnp.asarray([4])), 6, 4)
+    p = jit_pad(jit_chain(jnp.asarray([[5, 6]]), jnp.asarray([4])), 6, 4)
     assert p.tokens.shape == (1, 6) and p.max_depth == 4
-    m, _, last = tr.greedy_walk(p, jnp.zeros((1, 6), jnp.int32))    # the pads hold 0, the target wants 0
+    m, _, last = host(jit_walk(p, jnp.zeros((1, 6), jnp.int32)))    # the pads hold 0, the target wants 0
     assert int(m[0]) == 0 and int(last[0]) == 0
-    m, path, _ = tr.greedy_walk(p, jnp.asarray([[5, 6, 9, 0, 0, 0]]))
-    assert int(m[0]) == 2 and np.asarray(path[0]).tolist() == [0, 1, 2, -1, -1]
-    assert not np.asarray(p.mask[0, :3, 3:]).any()                        # no real slot sees a pad
+    m, path, _ = host(jit_walk(p, jnp.asarray([[5, 6, 9, 0, 0, 0]])))
+    assert int(m[0]) == 2 and path[0].tolist() == [0, 1, 2, -1, -1]
+    assert not np.asarray(p.mask)[0, :3, 3:].any()                        # no real slot sees a pad
 
 
 def test_pruned_slots_and_their_descendants_are_never_reached():
@@ -392,18 +399,18 @@ def test_pruned_slots_and_their_descendants_are_never_reached():
     log = np.log
     # root -> 1 (0.9) -> 3 (0.9*0.5); root -> 2 (0.05) -> 4 (0.02): pruned;
     # root -> 5 (0.04) -> 6 (a lookup node, score 0): kept with the unlikely slot it hangs below
-    t = tr.build_tree(jnp.asarray([[7, 5, 6, 8, 9, 4, 3]]), jnp.asarray([[-1, 0, 0, 1, 2, 0, 5]]),
-                      jnp.asarray([[0.0, log(0.9), log(0.05), log(0.45), log(0.02), log(0.04), 0.0]]), 2)
-    p, keep = tr.prune_tree(t, float(log(0.1)))
-    assert np.asarray(keep[0]).tolist() == [True, True, False, True, False, True, True]
-    assert np.asarray(p.parents[0]).tolist() == [-1, 0, -1, 1, -1, 0, 5]
-    m, path, _ = tr.greedy_walk(p, jnp.asarray([[6, 9, 9, 0, 0, 0, 0]]))      # the target wants the pruned branch
-    assert int(m[0]) == 0 and np.asarray(path[0]).tolist() == [0, -1, -1]
-    m, path, _ = tr.greedy_walk(p, jnp.asarray([[5, 8, 0, 3, 0, 0, 0]]))
-    assert int(m[0]) == 2 and np.asarray(path[0]).tolist() == [0, 1, 3]
-    m, path, _ = tr.greedy_walk(p, jnp.asarray([[4, 0, 0, 0, 0, 3, 0]]))      # the lookup continuation
-    assert int(m[0]) == 2 and np.asarray(path[0]).tolist() == [0, 5, 6]
+    t = jit_build(jnp.asarray([[7, 5, 6, 8, 9, 4, 3]]), jnp.asarray([[-1, 0, 0, 1, 2, 0, 5]]),
+                  jnp.asarray([[0.0, log(0.9), log(0.05), log(0.45), log(0.02), log(0.04), 0.0]]), 2)
+    p, keep = jit_prune(t, float(log(0.1)))
+    assert np.asarray(keep)[0].tolist() == [True, True, False, True, False, True, True]
+    assert np.asarray(p.parents)[0].tolist() == [-1, 0, -1, 1, -1, 0, 5]
+    m, path, _ = host(jit_walk(p, jnp.asarray([[6, 9, 9, 0, 0, 0, 0]])))    # the target wants the pruned branch
+    assert int(m[0]) == 0 and path[0].tolist() == [0, -1, -1]
+    m, path, _ = host(jit_walk(p, jnp.asarray([[5, 8, 0, 3, 0, 0, 0]])))
+    assert int(m[0]) == 2 and path[0].tolist() == [0, 1, 3]
+    m, path, _ = host(jit_walk(p, jnp.asarray([[4, 0, 0, 0, 0, 3, 0]])))    # the lookup continuation
+    assert int(m[0]) == 2 and path[0].tolist() == [0, 5, 6]
     kept, pruned = [0, 1, 3, 5, 6], [2, 4]
-    assert not np.asarray(p.mask[0][np.ix_(kept, pruned)]).any()              # no kept slot sees a pruned one
-    same, keep = tr.prune_tree(t, -np.inf)
-    assert bool(keep.all()) and np.array_equal(same.parents, t.parents)
+    assert not np.asarray(p.mask)[0][np.ix_(kept, pruned)].any()              # no kept slot sees a pruned one
+    same, keep = jit_prune(t, -np.inf)
+    assert bool(np.asarray(keep).all()) and np.array_equal(same.parents, t.parents)
