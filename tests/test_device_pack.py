@@ -22,36 +22,54 @@ def _stage_module():
     return mod
 
 
+def _dry_run(parts: str, out, work, model, *flags) -> subprocess.Popen:
+    cmd = ["bash", str(RUN), "--dry-run", "--parts", parts, "--out", str(out), "--work", str(work), "--budget-s",
+           "1500", "--model", model, *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     """Every part on a tiny random GGUF with SmolLM2's tokenizer (the staged-model path a lease uses):
-    the pack's code end to end at a fraction of SmolLM2's compile and run time."""
-    out = tmp_path_factory.mktemp("pack_out")
-    work = tmp_path_factory.mktemp("pack_work")
+    the pack's code end to end at a fraction of SmolLM2's compile and run time. Four parts run
+    `--in-process` (one JAX start-up and model load), the kernel part at the same time through the
+    per-part process driver a lease uses."""
+    out, work = tmp_path_factory.mktemp("pack_out"), tmp_path_factory.mktemp("pack_work")
     model = tiny_smollm2_gguf(tmp_path_factory.mktemp("pack_model") / "model.gguf")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(["bash", str(RUN), "--dry-run", "--parts", "smoke,train,bench,tune,kernel", "--out",
-                           str(out), "--work", str(work), "--budget-s", "1500", "--model", model],
-                          capture_output=True, text=True, env=env, timeout=1700)
-    return proc, out, work
+    kernel_out = tmp_path_factory.mktemp("pack_kernel_out")
+    procs = {"main": _dry_run("smoke,train,bench,tune", out, work, model, "--in-process"),
+             "kernel": _dry_run("kernel", kernel_out, tmp_path_factory.mktemp("pack_kernel_work"), model)}
+    runs = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=1700)
+        runs[name] = (proc.returncode, stdout, stderr)
+    return runs, out, kernel_out
+
+
+def _results(out) -> dict:
+    return json.loads((out / "results.json").read_text())["parts"]
 
 
 def test_dry_run_every_part_succeeds_and_returns_at_most_eight_flat_files(dry_run):
-    proc, out, _ = dry_run
-    log = (out / "log.txt").read_text() if (out / "log.txt").exists() else proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    runs, out, kernel_out = dry_run
+    for name, folder in (("main", out), ("kernel", kernel_out)):
+        rc, _, stderr = runs[name]
+        log = (folder / "log.txt").read_text() if (folder / "log.txt").exists() else stderr
+        assert rc == 0, log[-4000:]
     files = sorted(p.name for p in out.iterdir())
     assert all((out / f).is_file() for f in files), files          # nothing nested: the device returns files
     assert len(files) <= 8, files
     assert {"summary.md", "results.json", "log.txt", "bench.png", "tuned.json", "drafters.tar"} <= set(files)
-    parts = json.loads((out / "results.json").read_text())["parts"]
-    assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(
-        ("smoke", "train", "bench", "tune", "kernel"), "ok")
+    statuses = {name: p["status"] for o in (out, kernel_out) for name, p in _results(o).items()}
+    assert statuses == dict.fromkeys(("smoke", "train", "bench", "tune", "kernel"), "ok")
+    log = (out / "log.txt").read_text()     # in one process, each part's output still lands under its header
+    assert log.index("===== part train") < log.index("train data:") < log.index("===== part bench")
 
 
 def test_dry_run_results_are_real_measurements(dry_run):
-    _, out, _ = dry_run
-    parts = {k: v["result"] for k, v in json.loads((out / "results.json").read_text())["parts"].items()}
+    _, out, kernel_out = dry_run
+    parts = {k: v["result"] for o in (out, kernel_out) for k, v in _results(o).items()}
     smoke = parts["smoke"]
     assert all(row["identical_to_ar"] for k, row in smoke["float32"].items() if k != "ar")   # bf16: on the device only
     train = parts["train"]

@@ -14,7 +14,8 @@ Parts, most valuable first (each runs alone, in its own process, under its own d
 Everything returned lies directly under --out (at most 8 files): summary.md, results.json,
 log.txt, bench.png, tuned.json, drafters.tar (hsd/, eagle/, eagle3/), data.tar (the token shards,
 when they fit in 15 MiB). `--dry-run` runs every part
-on the CPU with tiny sizes (the test suite does, so the pack cannot rot between leases).
+on the CPU with tiny sizes (the test suite does, so the pack cannot rot between leases: four parts
+`--in-process`, in one process, and one through the per-part process driver).
 
     bash benchmarks/device/run.sh --parts train,bench,tune --out $OUT --model /tmp/hsd_stage/model.gguf \
         --prompts /tmp/hsd_stage/train_prompts.jsonl.gz --budget-s 470
@@ -22,6 +23,7 @@ on the CPU with tiny sizes (the test suite does, so the pack cannot rot between 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gzip
 import json
@@ -501,11 +503,15 @@ def drive(args) -> int:
         with open(log_path, "a") as logf:
             logf.write(f"\n===== part {part} ({limit:.0f} s) =====\n")
             logf.flush()
-            try:
-                proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=limit + 10)
-                rc = proc.returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            if args.in_process:   # the same part code and log, without the process boundary and its hard limit
+                with contextlib.redirect_stdout(logf), contextlib.redirect_stderr(logf):
+                    rc = run_part(argparse.Namespace(**dict(vars(args), run_part=part, deadline=time.time() + limit)))
+            else:
+                try:
+                    proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=limit + 10)
+                    rc = proc.returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
         rec_path = args.work / f"part_{part}.json"
         rec = json.loads(rec_path.read_text()) if rec_path.is_file() else {"status": f"no result (exit {rc})"}
         partial = args.work / f"{part}.partial.json"
@@ -530,6 +536,9 @@ def parse(argv=None):
     p.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "reference"])
     p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock seconds for all parts together")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: checks every part end to end")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the parts in this process (no per-part process or hard time limit): a dry run's "
+                        "parts then share one JAX start-up and model load")
     p.add_argument("--run-part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--deadline", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
