@@ -12,6 +12,7 @@ NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "notebooks"
 def test_notebook_runs_top_to_bottom(name, monkeypatch, tmp_path):
     monkeypatch.setenv("HSD_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))   # the kernel's scratch folders (tempfile.mkdtemp) go with the test's
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "outputs must be stripped in git"
     NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()

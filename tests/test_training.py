@@ -372,7 +372,7 @@ def _latest_step(ckpt_dir):
 def test_kill_9_and_resume_continues_from_last_checkpoint(tmp_path, tiny, tiny_data):
     model_dir = tmp_path / "tiny_model"
     save_hf_dir(tiny, model_dir)
-    cfg = _cfg(tmp_path, tiny_data, model=str(model_dir), steps=300, save_every=40, out_dir=str(tmp_path / "killed"))
+    cfg = _cfg(tmp_path, tiny_data, model=str(model_dir), steps=160, save_every=20, out_dir=str(tmp_path / "killed"))
     cfg_path = tmp_path / "cfg.yaml"
     import yaml
 
@@ -381,18 +381,18 @@ def test_kill_9_and_resume_continues_from_last_checkpoint(tmp_path, tiny, tiny_d
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = os.path.join(cfg.out_dir, "checkpoints")
     deadline = time.time() + 400
-    while _latest_step(ckpt) < 120 and time.time() < deadline and proc.poll() is None:
+    while _latest_step(ckpt) < 60 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     killed_at = _latest_step(ckpt)
-    assert 120 <= killed_at < 300
+    assert 60 <= killed_at < 160
     logs = []
     resumed = train(TrainConfig.from_yaml(str(cfg_path)), target=tiny, progress=False, log=logs.append)
     assert any(f"resumed from step {killed_at}" in line for line in logs) or any(
-        f"resumed from step {killed_at - 40}" in line for line in logs)
-    assert resumed["step"] == 300
-    straight_cfg = _cfg(tmp_path, tiny_data, model=str(model_dir), steps=300, save_every=40,
+        f"resumed from step {killed_at - 20}" in line for line in logs)
+    assert resumed["step"] == 160
+    straight_cfg = _cfg(tmp_path, tiny_data, model=str(model_dir), steps=160, save_every=20,
                         out_dir=str(tmp_path / "straight"))
     train(straight_cfg, target=tiny, progress=False, log=lambda *_: None)
     from hsd_jax import load_drafter
