@@ -342,16 +342,16 @@ def test_eager_matches_jit_and_single_slot_trees():
     rng = np.random.default_rng(1)
     toks, scores, parents = eagle2_inputs(rng, 2, 2, 3, "ties", vocab=3)
     root = np.array([0, 1], np.int32)
-    t = tr.dynamic_tree(toks, scores, parents, root, 7)     # eager: every op dispatched on its own
-    t_jit = jit_dynamic(toks, scores, parents, root, 7)
-    tr.check_tree(t)
-    for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(t_jit)):
-        np.testing.assert_array_equal(a, b)
-    target = jnp.asarray(random_targets(rng, t, 3))
-    for a, b in zip(tr.greedy_walk(t, target), jit_walk(t, target)):
-        np.testing.assert_array_equal(a, b)
+    for num_slots in (1, 7):   # eager: every op dispatched on its own
+        t = tr.dynamic_tree(toks, scores, parents, root, num_slots)
+        t_jit = jit_dynamic(toks, scores, parents, root, num_slots)
+        tr.check_tree(t)
+        for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(t_jit)):
+            np.testing.assert_array_equal(a, b)
+        target = jnp.asarray(random_targets(rng, t, 3))
+        for a, b in zip(tr.greedy_walk(t, target), jit_walk(t, target)):
+            np.testing.assert_array_equal(a, b)
     root_only = jit_dynamic(toks, scores, parents, root, 1)
-    tr.check_tree(root_only)
     n, path, last = host(jit_walk(root_only, jnp.zeros((2, 1), jnp.int32)))
     np.testing.assert_array_equal(n, [0, 0]), np.testing.assert_array_equal(last, [0, 0])
     np.testing.assert_array_equal(path, [[0, -1, -1, -1]] * 2)
