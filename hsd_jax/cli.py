@@ -341,6 +341,53 @@ def cmd_export_eagle3(a) -> int:
     return 0
 
 
+def _add_compile(sub):
+    p = sub.add_parser("compile", help="compile (TPU, deviceless) or lower (CUDA) the programs generate and train "
+                                       "would run there, without that hardware; exit 0 only if all build")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--tpu", metavar="TOPOLOGY", help="a TPU topology: v5e:2x2, v5e:2x4, v4:2x2x1, v3:2x2, "
+                                                         "v5p:2x2x1, v6e:2x2, v2:2x2 (needs libtpu: '.[tpu-compile]')")
+    where.add_argument("--cuda", action="store_true", help="lower for a CUDA GPU (Triton kernels)")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a .gguf file or a HF directory "
+                                                           "(only its config is read)")
+    p.add_argument("--methods", default=",".join(methods.METHODS),
+                   help="comma-separated generate methods, or 'none' (default: all)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--batch", type=int, default=1, help="prompts per batch")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (padded as generate pads them)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--train", default="", metavar="KIND[,KIND]",
+                   help="also the drafter training step of these kinds (hsd, eagle, eagle3, sd) or 'all'")
+    p.add_argument("--json", action="store_true", help="print one JSON report instead of a line per program")
+    _add_mesh_arg(p)
+    p.set_defaults(func=cmd_compile)
+
+
+def cmd_compile(a) -> int:
+    import jax
+
+    from hsd_jax import compile as hc
+    from hsd_jax.sharding import parse_mesh
+
+    jax.config.update("jax_platforms", "cpu")   # the programs are built for another platform: none runs here
+    names = [] if a.methods.strip() == "none" else [m.strip() for m in a.methods.split(",") if m.strip()]
+    kinds = list(hc.TRAIN_KINDS) if a.train == "all" else [k.strip() for k in a.train.split(",") if k.strip()]
+    if not names and not kinds:
+        raise UsageError("nothing to compile: give --methods or --train")
+    report = hc.compile_all(tpu=a.tpu, cuda=a.cuda, model=a.model, method_names=names, dtype=a.dtype, batch=a.batch,
+                            mesh=parse_mesh(a.mesh) if a.mesh else (1, 1), train=kinds, prompt_len=a.prompt_len,
+                            max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                            log=None if a.json else (lambda r: _say(hc.format_result(r))))
+    if a.json:
+        _say(json.dumps(report))
+    else:
+        done = sum(p["ok"] for p in report["programs"])
+        verb = "compiled" if a.tpu else "lowered"
+        _say(f"{done}/{len(report['programs'])} programs {verb} for {a.tpu or 'cuda'} ({report['device_kind']})")
+    return 0 if report["ok"] else 1
+
+
 def _add_tune(sub):
     p = sub.add_parser("tune", help="measure this hardware and pick the draft tree that maximises tokens/s")
     p.add_argument("--model", default="smollm2-135m")
@@ -402,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_tune(sub)
     _add_export(sub)
+    _add_compile(sub)
     return parser
 
 

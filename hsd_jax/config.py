@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
-ATTENTION_IMPLS = ("auto", "pallas", "reference")
+ATTENTION_IMPLS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_triton")   # pallas_kernels.tree_attention
 DTYPES = ("float32", "bfloat16")
 
 

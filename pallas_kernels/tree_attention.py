@@ -43,11 +43,21 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-IMPLS = ("reference", "pallas")
+IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_triton")
+# The pinned variants: that kernel compiled (never interpreted) whatever the local backend, for
+# programs lowered for a TPU or a GPU from another machine (`hsd compile`); the platform is in the
+# impl's name so that JAX's trace caches (keyed on static arguments) never mix two platforms' programs.
+PINNED = {"pallas_tpu": ("tpu", "tpu"), "pallas_triton": ("triton", "gpu")}
 _TPU_BLOCK_KS = (512, 256, 128)
 _TRITON_BLOCK_KS = (64, 32, 16)
 _TRITON_MAX_ROWS = 64
 _LANES = 128
+
+
+def impl_backend(impl: str) -> str:
+    """The backend a program with attention `impl` is built for: the pinned variant's platform
+    ("tpu", "gpu"), else this process's default backend."""
+    return PINNED[impl][1] if impl in PINNED else jax.default_backend()
 
 
 def resolve_attention_impl(impl: str) -> str:
@@ -358,13 +368,18 @@ def tree_attention(q, k_cache, v_cache, lengths, parents, *, sm_scale=None,
     already written at slots lengths[b] + i (lengths[b] + N <= S); lengths
     int32 [B]; parents int32 [B, N] (parent index among the new tokens, -1 for
     a root, parents[b, i] < i). Returns [B, Hq, N, Dh] in q's dtype.
-    impl: "reference" | "pallas" | "auto" (see ``resolve_attention_impl``). Under a
+    impl: "reference" | "pallas" | "auto" (see ``resolve_attention_impl``) | "pallas_tpu" |
+    "pallas_triton" (``PINNED``). Under a
     ``data``/``model`` mesh the Pallas kernel runs per shard (``_per_shard``).
     """
     impl = resolve_attention_impl(impl)
     if impl == "reference":
         return tree_attention_reference(q, k_cache, v_cache, lengths, parents, sm_scale=sm_scale)
-    kernel = functools.partial(tree_attention_pallas, sm_scale=sm_scale, block_k=block_k, interpret=interpret)
+    variant = None
+    if impl in PINNED:
+        variant, interpret = PINNED[impl][0], False
+    kernel = functools.partial(tree_attention_pallas, sm_scale=sm_scale, block_k=block_k, interpret=interpret,
+                               variant=variant)
     return _per_shard(kernel, q, k_cache, v_cache, lengths, parents)
 
 

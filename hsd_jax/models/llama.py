@@ -21,7 +21,7 @@ from hsd_jax import cpu_kernels
 from hsd_jax.cache import KVCache, write_layer
 from hsd_jax.config import ModelConfig
 from hsd_jax.models.layers import RMSNorm, SwiGLU, apply_rope, init_program, jnp_dtype, rms_norm, rope_inv_freq
-from pallas_kernels.tree_attention import ancestor_mask, resolve_attention_impl, tree_attention
+from pallas_kernels.tree_attention import ancestor_mask, impl_backend, resolve_attention_impl, tree_attention
 
 
 class ForwardOutput(NamedTuple):
@@ -203,7 +203,7 @@ def streams_head_rows(cfg: ModelConfig, rows: int) -> bool:
     up to summation order. Only for a tied f32 head on the CPU at a verify-sized row count:
     accelerators, one row and training batches keep the dot."""
     return (1 < rows <= STREAM_HEAD_MAX_ROWS and cfg.tie_word_embeddings and cfg.dtype == "float32"
-            and jax.default_backend() == "cpu")
+            and impl_backend(cfg.attention_impl) == "cpu")
 
 
 def serving_logits(params: dict, cfg: ModelConfig, features: jax.Array) -> jax.Array:

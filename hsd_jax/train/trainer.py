@@ -289,12 +289,12 @@ def run_vocab(cfg: TrainConfig, target, data: SequenceData, init=None) -> tuple[
     return d2t, rms
 
 
-def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
+def _feature_task(cfg: TrainConfig, target, data: SequenceData, vocab=None) -> dict:
     """HSD or EAGLE-style drafter: params, unrolled loss, held-out chain acceptance."""
     from hsd_jax.models import drafter as dmod
 
     init = _init_drafter(cfg, target)
-    d2t, rms = run_vocab(cfg, target, data, init)
+    d2t, rms = vocab if vocab is not None else run_vocab(cfg, target, data, init)
     t2d = jnp.asarray(dmod.target_to_draft(d2t, target.config.vocab_size))
     dcfg = dmod.DrafterConfig.for_target(cfg.kind, target.config, draft_vocab_size=len(d2t),
                                          injection=cfg.injection, readout=cfg.readout,
@@ -322,7 +322,7 @@ def _feature_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     return dict(params=params, loss=loss, accept=accept, consts={"view": view, "t2d": t2d}, config=dcfg, d2t=d2t)
 
 
-def _eagle3_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
+def _eagle3_task(cfg: TrainConfig, target, data: SequenceData, vocab=None) -> dict:
     """EAGLE-3 drafter: fused low/mid/high features, training-time-test unroll, token loss (plus, when
     `feature_weight` > 0, EAGLE-1's regression of the next target feature), reduced vocabulary from
     the same data as the other drafters."""
@@ -330,7 +330,7 @@ def _eagle3_task(cfg: TrainConfig, target, data: SequenceData) -> dict:
     from hsd_jax.models.drafter import target_to_draft
 
     init = _init_drafter(cfg, target)
-    d2t, rms = run_vocab(cfg, target, data, init)
+    d2t, rms = vocab if vocab is not None else run_vocab(cfg, target, data, init)
     t2d = target_to_draft(d2t, target.config.vocab_size)
     dcfg = eagle3.Eagle3Config.for_target(target.config, draft_vocab_size=len(d2t), feature_layers=cfg.feature_layers,
                                           readout=cfg.readout, readout_scale=rms if cfg.readout == "fused" else 1.0)
@@ -399,6 +399,16 @@ def _sd_task(cfg: TrainConfig, target) -> dict:
     return dict(params=params, loss=loss, accept=accept, consts=frozen, config=dcfg, d2t=None)
 
 
+def train_task(cfg: TrainConfig, target, data: SequenceData | None, vocab=None) -> dict:
+    """The run's task for its kind: params, loss(params, batch, key, consts), accept, consts, config,
+    d2t. `vocab` = (d2t, feature_rms) skips `run_vocab` (no data needed: `hsd compile`)."""
+    if cfg.kind == "sd":
+        return _sd_task(cfg, target)
+    if cfg.kind == "eagle3":
+        return _eagle3_task(cfg, target, data, vocab)
+    return _feature_task(cfg, target, data, vocab)
+
+
 def make_train_step(loss_fn, tx, example_state=None, compiler_options=None):
     """The jitted optimizer step (state, batch, key[, lr][, consts]) -> (state, metrics). With `lr`
     the transformation's update is a direction, scaled by -lr (see `make_optimizer`); without it
@@ -462,12 +472,7 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
         sharding.check_mesh(target.config, mesh, cfg.batch_size, "target")
         target = dataclasses.replace(target, params=sharding.shard_params(target.params, mesh))
         place = lambda tree: jax.tree.map(lambda x: sharding.shard_batch(x, mesh), tree)
-    if cfg.kind == "sd":
-        task = _sd_task(cfg, target)
-    elif cfg.kind == "eagle3":
-        task = _eagle3_task(cfg, target, data)
-    else:
-        task = _feature_task(cfg, target, data)
+    task = train_task(cfg, target, data)
     params = task["params"]
     tx = make_optimizer(cfg, params)
     state = {"params": params, "opt": tx.init(params)}

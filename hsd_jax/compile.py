@@ -1,0 +1,353 @@
+"""`hsd compile`: build the programs `generate` (and `hsd train`) would run on a TPU or a GPU, on a
+machine that has neither, and report whether they compile, what kernels they hold and what they cost.
+
+TPU: the `libtpu` wheel (`pip install -e '.[tpu-compile]'`) gives deviceless TPU topologies
+(`jax.experimental.topologies.get_topology_desc`), and `jax.jit(f).lower(abstract args sharded over
+their devices).compile()` runs the real TPU compiler, Mosaic (the Pallas kernels) included. The
+programs are traced under `jax.set_mesh` over the topology's chips, which is where Pallas's TPU
+lowering reads the chip kind (`get_abstract_mesh().abstract_device`), so no private hook is needed.
+CUDA: `jax.export` lowers for `platforms=("cuda",)` (compiling needs the GPU itself), Triton kernels
+included. Arguments are `jax.ShapeDtypeStruct`s with shardings: no weight is read or materialised.
+
+The programs come from the functions `generate` and `train` call (`generate_programs`,
+`train_programs`); attention is the Pallas kernel pinned to the platform ("pallas_tpu" /
+"pallas_triton": `pallas_kernels.tree_attention.PINNED`), as "auto" picks it there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hsd_jax import api, engine, methods, sharding
+from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig
+from hsd_jax.loading.errors import ModelLoadError
+
+PLATFORM_IMPL = {"tpu": "pallas_tpu", "cuda": "pallas_triton"}
+# The custom calls that carry the Pallas kernels: Mosaic's on TPU (compiled HLO), Triton's in the
+# CUDA StableHLO lowering.
+KERNEL_CALLS = {"tpu": {"mosaic": "tpu_custom_call"}, "cuda": {"triton": "__gpu$xla.gpu.triton"}}
+# HBM per chip (GiB) by the device kind libtpu reports, from Google's published chip specifications.
+TPU_HBM_GIB = {"TPU v2": 8, "TPU v3": 16, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95,
+               "TPU v5p": 95, "TPU v6 lite": 32, "TPU v6e": 32}
+TRAIN_KINDS = ("hsd", "eagle", "eagle3", "sd")
+
+
+class CompileSetupError(ConfigError):
+    """The compile target cannot be set up here (libtpu missing, unknown topology, bad options)."""
+
+
+@dataclasses.dataclass
+class Program:
+    """One program to build: `fn` (a jitted function) over abstract `args` and static `static`."""
+
+    name: str
+    fn: Callable
+    args: tuple
+    static: dict
+    mesh: Any = None
+    kernels_expected: bool = True   # the tree-attention kernel belongs in it (decode loops, not training)
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    ok: bool
+    error: str = ""
+    kernels: dict = dataclasses.field(default_factory=dict)
+    memory: dict | None = None
+    cost: dict | None = None
+    seconds: float = 0.0
+    kernels_expected: bool = True
+
+
+def tpu_devices(topology: str) -> list:
+    """The deviceless TPU chips of `topology` (e.g. "v5e:2x2", "v4:2x2x1", "v3:2x2")."""
+    # libtpu looks for a TPU VM's metadata server unless told not to, and refuses to start while
+    # another process (any JAX process here, once libtpu is installed) holds its lock file.
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise CompileSetupError("compiling for a TPU needs libtpu: pip install -e '.[tpu-compile]'") from None
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    except Exception as e:   # libtpu's errors are runtime errors of several types
+        raise CompileSetupError(f"TPU topology {topology!r} not available: {one_line(e)} (e.g. v5e:2x2, "
+                                "v4:2x2x1, v3:2x2)") from None
+
+
+def one_line(e: BaseException) -> str:
+    lines = [s.strip() for s in str(e).splitlines() if s.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]
+
+
+def model_config(model: str, dtype: str, platform: str) -> tuple[ModelConfig, str]:
+    """The target's config (no weights read) with this dtype and the platform's Pallas attention."""
+    from hsd_jax.loading.gguf_file import read_gguf
+    from hsd_jax.loading.gguf_loader import DEFAULT_MODEL, default_gguf_path, gguf_config
+    from hsd_jax.loading.hf import hf_config, read_json
+
+    overrides = dict(dtype=dtype, attention_impl=PLATFORM_IMPL[platform])
+    if model == DEFAULT_MODEL:
+        path = default_gguf_path()
+    elif os.path.exists(model):
+        path = model
+    else:
+        raise ModelLoadError(f"unknown model {model!r}: give {DEFAULT_MODEL!r}, a .gguf file "
+                             "or a Hugging Face model directory")
+    if path.endswith(".gguf"):
+        return gguf_config(read_gguf(path), path, **overrides), model
+    return hf_config(read_json(os.path.join(path, "config.json")), path, **overrides), model
+
+
+def abstract_target(cfg: ModelConfig, name: str, max_cache_len: int = 2048) -> api.Target:
+    """A Target whose params are ShapeDtypeStructs (the loaders' tree: `llama.init_params`'s)."""
+    from hsd_jax.models import llama
+
+    params = jax.eval_shape(lambda k: llama.init_params(cfg, k), jax.random.key(0))
+    return api.Target(params, cfg, None, max_cache_len, name)
+
+
+def abstract_drafter(kind: str, target: api.Target):
+    """The drafter `generate` would use (the shipped one for this target, else a random one):
+    its config and d2t, and its params as ShapeDtypeStructs (traced against the abstract target)."""
+    built = {}
+
+    def build(tparams):
+        t = dataclasses.replace(target, params=tparams)
+        shipped = api.shipped_drafter(kind, t)
+        d = api.load_drafter(kind, shipped, target=t, random_init=shipped is None and not
+                             methods.REGISTRY[kind].drafter.built_in)
+        built["drafter"] = d
+        return d.params
+
+    params = jax.eval_shape(build, target.params)
+    return dataclasses.replace(built["drafter"], params=params)
+
+
+def _place(tree, mesh, specs=None):
+    """ShapeDtypeStructs of `tree` with NamedShardings on `mesh` (`specs`: a PartitionSpec tree, or
+    None for replicated)."""
+    specs = jax.tree.map(lambda _: P(), tree) if specs is None else specs
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+                        tree, specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def _batch_spec(x, mesh):
+    return sharding.fit_spec(sharding.BATCH_SPEC, x.shape, mesh)
+
+
+def generate_programs(target: api.Target, method_names: Sequence[str], mesh, *, batch: int, prompt_len: int,
+                      max_new_tokens: int, sampling: SamplingConfig = SamplingConfig()) -> list[Program]:
+    """The decode loops `api.generate` compiles for these methods (the same jitted functions and
+    static arguments: `engine.ar_generate`, `engine.spec_generate` with the method's default
+    `SpecConfig` and the drafter `generate` would use), over abstract prompts [batch, prompt_len]."""
+    tokens = jax.ShapeDtypeStruct((batch, api.round_up(prompt_len, api.PROMPT_BUCKET)), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    sharding.check_mesh(target.config, mesh, batch, "target")
+    tparams = _place(target.params, mesh, sharding.param_specs(target.params, mesh))
+    io = (_place(tokens, mesh, _batch_spec(tokens, mesh)), _place(lengths, mesh, _batch_spec(lengths, mesh)),
+          _place(key, mesh))
+    programs = []
+    for name in method_names:
+        spec = None if name == "ar" else engine.SpecConfig(method=name)
+        slack = 0 if spec is None else spec.cache_slack
+        capacity = min(api.round_up(tokens.shape[1] + max_new_tokens + slack, 128),
+                       api.round_up(target.max_cache_len, 16))
+        if spec is None:
+            programs.append(Program(name, engine.ar_generate, (tparams, *io), dict(
+                cfg=target.config, sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity), mesh))
+            continue
+        drafter = abstract_drafter(name, target)
+        methods.get(name).check(drafter, spec)
+        if isinstance(drafter.config, ModelConfig):   # a draft LM (sd)
+            sharding.check_mesh(drafter.config, mesh, batch, "draft model")
+        tcfg = target.config
+        if getattr(drafter.config, "feature_layers", ()):
+            tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
+        d2t = np.zeros((1,), np.int32) if drafter.d2t is None else np.asarray(drafter.d2t, np.int32)
+        dparams = _place(drafter.params, mesh, sharding.param_specs(drafter.params, mesh))
+        args = (tparams, dparams, _place(jax.ShapeDtypeStruct(d2t.shape, d2t.dtype), mesh), *io)
+        programs.append(Program(name, engine.spec_generate, args, dict(
+            tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling, max_new_tokens=max_new_tokens,
+            capacity=capacity), mesh))
+    return programs
+
+
+def train_programs(target: api.Target, kinds: Sequence[str], mesh, *, batch: int, window: int = 256,
+                   unroll: int = 3) -> list[Program]:
+    """The optimizer step `hsd train` compiles per drafter kind (`trainer.train_task`,
+    `trainer.make_optimizer`, `trainer.make_train_step`) over an abstract batch [batch, window]."""
+    from hsd_jax.models.eagle3 import Eagle3Config
+    from hsd_jax.train import losses, trainer
+
+    programs = []
+    for kind in kinds:
+        if kind not in TRAIN_KINDS:
+            raise InputError(f"--train kinds are {', '.join(TRAIN_KINDS)}, got {kind!r}")
+        cfg = trainer.TrainConfig(kind=kind, data_dir="(compile)", out_dir="(compile)", batch_size=batch,
+                                  window=window, unroll=unroll, ce_positions=min(48, window),
+                                  draft_vocab_size=min(8192, target.config.vocab_size))
+        if kind == "eagle3":
+            cfg = dataclasses.replace(cfg, feature_layers=Eagle3Config.default_layers(target.config.num_layers))
+        vocab = (np.arange(cfg.draft_vocab_size, dtype=np.int32), 1.0)
+        built = {}
+
+        def build(tparams, cfg=cfg, vocab=vocab):
+            task = trainer.train_task(cfg, dataclasses.replace(target, params=tparams), None, vocab)
+            built.update(task)
+            return task["params"], task["consts"]
+
+        params, consts = jax.eval_shape(build, target.params)
+        tx = trainer.make_optimizer(cfg, params)
+        state = {"params": params, "opt": jax.eval_shape(tx.init, params)}
+        state = _place(state, mesh, sharding.param_specs(state, mesh))
+        consts = _place(consts, mesh, sharding.param_specs(consts, mesh))
+        d = 1 if kind == "sd" else target.config.hidden_size
+        shapes = [(batch, window), (batch, window, d), (batch, window), (batch, window)]
+        dtypes = [jnp.int32, jnp.float32, jnp.bool_, jnp.bool_]
+        aux = None
+        if cfg.feature_layers:
+            aux = jax.ShapeDtypeStruct((batch, window, len(cfg.feature_layers), d), jnp.float32)
+        fields = [jax.ShapeDtypeStruct(s, t) for s, t in zip(shapes, dtypes)] + [aux]
+        b = losses.Batch(*[None if x is None else _place(x, mesh, _batch_spec(x, mesh)) for x in fields])
+        key = _place(jax.eval_shape(lambda: jax.random.key(0)), mesh)
+        lr = _place(jax.ShapeDtypeStruct((), jnp.float32), mesh)
+        step = trainer.make_train_step(built["loss"], tx, state)
+        programs.append(Program(f"train-{kind}", step, (state, b, key, lr, consts), {}, mesh, kernels_expected=False))
+    return programs
+
+
+def _count_kernels(text: str, platform: str) -> dict:
+    """Custom calls to each kernel target: `custom_call_target="T"` in HLO, `custom_call @T(` in StableHLO."""
+    return {name: text.count(f'"{target}"') + text.count(f"@{target}(") for name, target in KERNEL_CALLS[platform].items()}
+
+
+def _memory(compiled, hbm_bytes: int | None) -> dict | None:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    mem = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp",
+                                                                  "generated_code")}
+    mem["total"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"]
+    if hbm_bytes:
+        mem["hbm"] = hbm_bytes
+        mem["fits"] = mem["total"] <= hbm_bytes
+    return mem
+
+
+def _cost(compiled) -> dict | None:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    if not cost:
+        return None
+    return {"flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
+
+
+def build(program: Program, platform: str, hbm_bytes: int | None = None) -> Result:
+    """Compile (TPU) or lower (CUDA) one program; every failure becomes the result's one-line error."""
+    t0 = time.perf_counter()
+    res = Result(program.name, False, kernels_expected=program.kernels_expected)
+    try:
+        if platform == "tpu":
+            with jax.set_mesh(program.mesh):   # Pallas's TPU lowering reads the chip kind from this mesh
+                compiled = program.fn.lower(*program.args, **program.static).compile()
+            res.kernels = _count_kernels(compiled.as_text(), platform)
+            res.memory, res.cost = _memory(compiled, hbm_bytes), _cost(compiled)
+        else:
+            # Triton calls have no serialisation guarantee: allowed here, since nothing is serialised
+            unstable = [jax.export.DisabledSafetyCheck.custom_call(t) for t in KERNEL_CALLS["cuda"].values()]
+            exported = jax.export.export(program.fn, platforms=("cuda",), disabled_checks=unstable)(
+                *program.args, **program.static)
+            res.kernels = _count_kernels(exported.mlir_module(), platform)
+        res.ok = True
+    except Exception as e:   # the report names it; the caller's exit status says that something failed
+        res.error = one_line(e)
+    res.seconds = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def _strip_shardings(tree):
+    return jax.tree.map(lambda x: x if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def compile_all(*, tpu: str | None = None, cuda: bool = False, model: str = "smollm2-135m",
+                method_names: Sequence[str] = methods.METHODS, dtype: str = "bfloat16", batch: int = 1,
+                mesh: tuple[int, int] = (1, 1), train: Sequence[str] = (), prompt_len: int = 64,
+                max_new_tokens: int = 128, temperature: float = 0.0, config: ModelConfig | None = None,
+                log: Callable[[Result], None] | None = None) -> dict:
+    """Build every program for one platform; returns a JSON-ready report whose "ok" is True only if
+    all of them built. `config` (a ModelConfig) replaces `model` (tests, shapes without files)."""
+    if (tpu is None) == (not cuda):
+        raise CompileSetupError("give one platform: --tpu TOPOLOGY or --cuda")
+    unknown = [m for m in method_names if m not in methods.METHODS]
+    if unknown:
+        raise InputError(f"unknown methods {unknown}: choose from {', '.join(methods.METHODS)}")
+    if batch < 1 or prompt_len < 1 or max_new_tokens < 1:
+        raise InputError("batch, prompt length and max_new_tokens must be >= 1")
+    platform = "tpu" if tpu else "cuda"
+    if config is None:
+        cfg, name = model_config(model, dtype, platform)
+    else:
+        cfg, name = config.replace(dtype=dtype, attention_impl=PLATFORM_IMPL[platform]), "config"
+    data, model_axis = mesh
+    if platform == "tpu":
+        devices = tpu_devices(tpu)
+        if data * model_axis > len(devices):
+            raise CompileSetupError(f"mesh {data}x{model_axis} needs {data * model_axis} chips; {tpu} has "
+                                    f"{len(devices)}")
+        kind = devices[0].device_kind
+    else:
+        if (data, model_axis) != (1, 1):
+            raise CompileSetupError("--mesh is for --tpu (the CUDA programs are lowered for one GPU)")
+        devices, kind = jax.devices()[:1], "cuda"
+    dev_mesh = sharding.make_mesh(data, model_axis, devices=devices)
+    gib = TPU_HBM_GIB.get(kind) if platform == "tpu" else None
+    target = abstract_target(cfg, name)
+    sampling = SamplingConfig(float(temperature))
+    programs = generate_programs(target, [m for m in method_names], dev_mesh, batch=batch, prompt_len=prompt_len,
+                                 max_new_tokens=max_new_tokens, sampling=sampling)
+    programs += train_programs(target, train, dev_mesh, batch=max(batch, data))
+    if platform == "cuda":   # lowered for one GPU: no device shardings in the arguments
+        programs = [dataclasses.replace(p, args=_strip_shardings(p.args), mesh=None) for p in programs]
+    results = []
+    for p in programs:
+        p.name = f"{p.name}/{'bf16' if dtype == 'bfloat16' else 'f32'}/b{batch}" + (
+            f"/mesh{data}x{model_axis}" if (data, model_axis) != (1, 1) else "")
+        results.append(build(p, platform, gib and gib << 30))
+        if log is not None:
+            log(results[-1])
+    return {"platform": platform, "topology": tpu, "device_kind": kind, "model": name, "dtype": dtype,
+            "batch": batch, "mesh": f"{data}x{model_axis}", "ok": all(r.ok for r in results),
+            "programs": [dataclasses.asdict(r) for r in results]}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MiB"
+
+
+def format_result(r: Result) -> str:
+    """One line per program for the terminal."""
+    head = f"{'ok  ' if r.ok else 'FAIL'} {r.name:<28} {r.seconds:6.1f} s"
+    if not r.ok:
+        return f"{head}  {r.error}"
+    parts = [" ".join(f"{k}={v}" for k, v in r.kernels.items())]
+    if r.memory:
+        m = r.memory
+        fit = "" if "hbm" not in m else f" of {m['hbm'] / 2 ** 30:.0f} GiB HBM ({'fits' if m['fits'] else 'DOES NOT FIT'})"
+        parts.append(f"args {_mib(m['argument'])} out {_mib(m['output'])} temp {_mib(m['temp'])}{fit}")
+    if r.cost:
+        parts.append(f"flops {r.cost['flops']:.3g} bytes {r.cost['bytes_accessed']:.3g}")
+    return f"{head}  " + "  ".join(parts)
