@@ -365,12 +365,10 @@ def _add_compile(sub):
 
 
 def cmd_compile(a) -> int:
-    import jax
-
     from hsd_jax import compile as hc
     from hsd_jax.sharding import parse_mesh
 
-    jax.config.update("jax_platforms", "cpu")   # the programs are built for another platform: none runs here
+    hc.use_cpu_backend()
     names = [] if a.methods.strip() == "none" else [m.strip() for m in a.methods.split(",") if m.strip()]
     kinds = list(hc.TRAIN_KINDS) if a.train == "all" else [k.strip() for k in a.train.split(",") if k.strip()]
     if not names and not kinds:

@@ -34,9 +34,6 @@ PLATFORM_IMPL = {"tpu": "pallas_tpu", "cuda": "pallas_triton"}
 # The custom calls that carry the Pallas kernels: Mosaic's on TPU (compiled HLO), Triton's in the
 # CUDA StableHLO lowering.
 KERNEL_CALLS = {"tpu": {"mosaic": "tpu_custom_call"}, "cuda": {"triton": "__gpu$xla.gpu.triton"}}
-# HBM per chip (GiB) by the device kind libtpu reports, from Google's published chip specifications.
-TPU_HBM_GIB = {"TPU v2": 8, "TPU v3": 16, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95,
-               "TPU v5p": 95, "TPU v6 lite": 32, "TPU v6e": 32}
 TRAIN_KINDS = ("hsd", "eagle", "eagle3", "sd")
 
 
@@ -66,6 +63,18 @@ class Result:
     cost: dict | None = None
     seconds: float = 0.0
     kernels_expected: bool = True
+
+
+def use_cpu_backend() -> None:
+    """Run this process on the CPU backend when none has started yet: the programs are built for
+    another platform and none runs here, and JAX would otherwise try (and noisily fail) to start
+    libtpu as a TPU backend. Asks `jax._src.xla_bridge.backends_are_initialized` (private, present
+    in the jax releases pyproject.toml allows); without it nothing changes."""
+    from jax._src import xla_bridge
+
+    started = getattr(xla_bridge, "backends_are_initialized", lambda: True)
+    if "JAX_PLATFORMS" not in os.environ and not started():
+        jax.config.update("jax_platforms", "cpu")
 
 
 def tpu_devices(topology: str) -> list:
@@ -127,8 +136,9 @@ def abstract_drafter(kind: str, target: api.Target):
     def build(tparams):
         t = dataclasses.replace(target, params=tparams)
         shipped = api.shipped_drafter(kind, t)
-        d = api.load_drafter(kind, shipped, target=t, random_init=shipped is None and not
-                             methods.REGISTRY[kind].drafter.built_in)
+        with jax.ensure_compile_time_eval():   # a checkpoint restores concrete arrays, even inside this trace
+            d = api.load_drafter(kind, shipped, target=t, random_init=shipped is None and not
+                                 methods.REGISTRY[kind].drafter.built_in)
         built["drafter"] = d
         return d.params
 
@@ -186,22 +196,23 @@ def generate_programs(target: api.Target, method_names: Sequence[str], mesh, *, 
     return programs
 
 
-def train_programs(target: api.Target, kinds: Sequence[str], mesh, *, batch: int, window: int = 256,
-                   unroll: int = 3) -> list[Program]:
+def train_programs(target: api.Target, kinds: Sequence[str], mesh, **options) -> list[Program]:
     """The optimizer step `hsd train` compiles per drafter kind (`trainer.train_task`,
-    `trainer.make_optimizer`, `trainer.make_train_step`) over an abstract batch [batch, window]."""
+    `trainer.make_optimizer`, `trainer.make_train_step`) over an abstract batch, for a training config
+    with these `options` (TrainConfig fields: batch_size, window, unroll, ...; its defaults otherwise)."""
     from hsd_jax.models.eagle3 import Eagle3Config
     from hsd_jax.train import losses, trainer
 
     programs = []
+    options = dict(dict(draft_vocab_size=min(8192, target.config.vocab_size)), **options)
     for kind in kinds:
         if kind not in TRAIN_KINDS:
             raise InputError(f"--train kinds are {', '.join(TRAIN_KINDS)}, got {kind!r}")
-        cfg = trainer.TrainConfig(kind=kind, data_dir="(compile)", out_dir="(compile)", batch_size=batch,
-                                  window=window, unroll=unroll, ce_positions=min(48, window),
-                                  draft_vocab_size=min(8192, target.config.vocab_size))
-        if kind == "eagle3":
+        cfg = trainer.TrainConfig(kind=kind, data_dir="(compile)", out_dir="(compile)", **options)
+        if kind == "eagle3" and not cfg.feature_layers:   # as `trainer.train` defaults them
             cfg = dataclasses.replace(cfg, feature_layers=Eagle3Config.default_layers(target.config.num_layers))
+        batch, window = cfg.batch_size, cfg.window
+        sharding.check_mesh(target.config, mesh, batch, "target")
         vocab = (np.arange(cfg.draft_vocab_size, dtype=np.int32), 1.0)
         built = {}
 
@@ -287,9 +298,10 @@ def compile_all(*, tpu: str | None = None, cuda: bool = False, model: str = "smo
                 method_names: Sequence[str] = methods.METHODS, dtype: str = "bfloat16", batch: int = 1,
                 mesh: tuple[int, int] = (1, 1), train: Sequence[str] = (), prompt_len: int = 64,
                 max_new_tokens: int = 128, temperature: float = 0.0, config: ModelConfig | None = None,
-                log: Callable[[Result], None] | None = None) -> dict:
+                train_options: dict | None = None, log: Callable[[Result], None] | None = None) -> dict:
     """Build every program for one platform; returns a JSON-ready report whose "ok" is True only if
-    all of them built. `config` (a ModelConfig) replaces `model` (tests, shapes without files)."""
+    all of them built. `config` (a ModelConfig) replaces `model` (tests, shapes without files);
+    `train_options`: TrainConfig fields for the training steps (default: `hsd train`'s defaults)."""
     if (tpu is None) == (not cuda):
         raise CompileSetupError("give one platform: --tpu TOPOLOGY or --cuda")
     unknown = [m for m in method_names if m not in methods.METHODS]
@@ -303,10 +315,11 @@ def compile_all(*, tpu: str | None = None, cuda: bool = False, model: str = "smo
     else:
         cfg, name = config.replace(dtype=dtype, attention_impl=PLATFORM_IMPL[platform]), "config"
     data, model_axis = mesh
+    hbm = None
     if platform == "tpu":
         devices = tpu_devices(tpu)
         if data * model_axis > len(devices):
-            raise CompileSetupError(f"mesh {data}x{model_axis} needs {data * model_axis} chips; {tpu} has "
+            raise CompileSetupError(f"mesh {data}x{model_axis} needs {data * model_axis} devices; {tpu} has "
                                     f"{len(devices)}")
         kind = devices[0].device_kind
     else:
@@ -314,19 +327,24 @@ def compile_all(*, tpu: str | None = None, cuda: bool = False, model: str = "smo
             raise CompileSetupError("--mesh is for --tpu (the CUDA programs are lowered for one GPU)")
         devices, kind = jax.devices()[:1], "cuda"
     dev_mesh = sharding.make_mesh(data, model_axis, devices=devices)
-    gib = TPU_HBM_GIB.get(kind) if platform == "tpu" else None
+    if platform == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        with jax.set_mesh(dev_mesh):   # per TensorCore; a device spans num_cores of them (megacore)
+            info = pltpu.get_tpu_info()
+            hbm = info.hbm_capacity_bytes * info.num_cores
     target = abstract_target(cfg, name)
     sampling = SamplingConfig(float(temperature))
     programs = generate_programs(target, [m for m in method_names], dev_mesh, batch=batch, prompt_len=prompt_len,
                                  max_new_tokens=max_new_tokens, sampling=sampling)
-    programs += train_programs(target, train, dev_mesh, batch=max(batch, data))
+    programs += train_programs(target, train, dev_mesh, **(train_options or {}))
     if platform == "cuda":   # lowered for one GPU: no device shardings in the arguments
         programs = [dataclasses.replace(p, args=_strip_shardings(p.args), mesh=None) for p in programs]
     results = []
     for p in programs:
         p.name = f"{p.name}/{'bf16' if dtype == 'bfloat16' else 'f32'}/b{batch}" + (
             f"/mesh{data}x{model_axis}" if (data, model_axis) != (1, 1) else "")
-        results.append(build(p, platform, gib and gib << 30))
+        results.append(build(p, platform, hbm))
         if log is not None:
             log(results[-1])
     return {"platform": platform, "topology": tpu, "device_kind": kind, "model": name, "dtype": dtype,

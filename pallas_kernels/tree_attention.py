@@ -205,8 +205,21 @@ def _tpu_block_k(seq_len: int, block_k: int | None) -> int:
     return next((bk for bk in _TPU_BLOCK_KS if seq_len % bk == 0), seq_len)
 
 
+def _tpu_matmul_dtype(dtype, interpret: bool):
+    """The dtype the TPU kernel's q/k/v matmuls take: bf16 stays bf16 where Mosaic multiplies it
+    (TPU v4 and later), else f32: on v2/v3 Mosaic refuses a bf16 matmul ("Unsupported matmul RHS
+    type on target", found by `hsd compile --tpu v3:2x2`), so the kernel widens its VMEM blocks."""
+    if interpret or dtype != jnp.bfloat16:
+        return dtype
+    try:
+        generation = pltpu.get_tpu_info().generation   # the chip being lowered for (device or mesh)
+    except ValueError:   # not lowering for a known TPU chip
+        return dtype
+    return dtype if generation >= 4 else jnp.float32
+
+
 def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, m_ref, l_ref, acc_ref,
-                *, sm_scale, block_k, n_new):
+                *, sm_scale, block_k, n_new, matmul_dtype):
     """Grid step (b, kv head, kv block). m/l scratch is lane-replicated [R, 128]."""
     kv_i = pl.program_id(2)
     length = lengths_ref[pl.program_id(0)]
@@ -221,8 +234,9 @@ def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, m_ref, l_ref, 
     def step(masked):
         m_prev = jnp.max(m_ref[...], axis=1, keepdims=True)
         l_prev = jnp.max(l_ref[...], axis=1, keepdims=True)
+        q, k, v = (r[...].astype(matmul_dtype) for r in (q_ref, k_ref, v_ref))
         m, l, acc = _online_softmax_step(
-            q_ref[...], k_ref[...], v_ref[...], anc_ref[...].astype(jnp.float32),
+            q, k, v, anc_ref[...].astype(jnp.float32),
             start, length, n_new, m_prev, l_prev, acc_ref[...],
             sm_scale=sm_scale, masked=masked)
         m_ref[...] = jnp.broadcast_to(m, m_ref.shape)
@@ -251,7 +265,8 @@ def _tree_attention_tpu(q, k_cache, v_cache, lengths, anc, *, sm_scale, block_k,
     q_spec = pl.BlockSpec((None, None, rows, dh), lambda bi, hi, ki, lens: (bi, hi, 0, 0))
     kv_spec = pl.BlockSpec((None, None, bk, dh), kv_map)
     anc_spec = pl.BlockSpec((None, rows, ar.shape[-1]), lambda bi, hi, ki, lens: (bi, 0, 0))
-    kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, block_k=bk, n_new=n)
+    kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, block_k=bk, n_new=n,
+                               matmul_dtype=_tpu_matmul_dtype(q.dtype, interpret))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

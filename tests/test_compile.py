@@ -1,0 +1,152 @@
+"""`hsd compile`: generate's decode loops and the drafter training steps compile for a TPU (deviceless,
+libtpu) and lower for CUDA on this CPU machine, each decode loop with the Pallas tree-attention kernel
+in it (Mosaic on TPU, Triton on CUDA).
+
+Cost: a TPU compile of a tiny model's speculative loop takes 8-30 s here (the TPU compiler on a
+shared 2-core CPU), a training step ~25-35 s, so the suite compiles a representative set for TPU
+(every method once, bf16 at batch 1 and f32 at batch 4 split between them; hsd in both; two
+drafter kinds' training steps; a 1x4 model-axis mesh; SmolLM2 on v5e and v3), all in one child
+process. CUDA lowering costs ~1-3 s a program: every method in bf16 at batch 1 and f32 at batch 4,
+and every kind's training step. `hsd compile --tpu v5e:2x2 --dtype {bfloat16,float32} --batch {1,4}
+--train all` checks the rest by hand (README)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import run_cli, save_hf_dir, tiny_target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+ALL_METHODS = ("ar", "sd", "eagle", "eagle3", "hsd", "ngram", "lookup")
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+TINY_KV4 = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4)
+TRAIN_SMALL = dict(batch_size=2, window=32, unroll=2, ce_positions=8)
+
+# One child process builds all of these (one JAX start, one libtpu start).
+TPU_RUNS = [
+    dict(config=TINY, tpu="v5e:2x2", method_names=["ar", "hsd", "eagle3", "lookup"], dtype="bfloat16", batch=1,
+         train=["hsd"], train_options=TRAIN_SMALL),
+    dict(config=TINY, tpu="v5e:2x2", method_names=["sd", "eagle", "ngram"], dtype="float32", batch=4),
+    dict(config=TINY_KV4, tpu="v5e:2x2", method_names=["lookup"], dtype="bfloat16", batch=1, mesh=[1, 4]),
+    dict(model="smollm2-135m", tpu="v5e:2x2", method_names=["lookup"], dtype="bfloat16", batch=1),
+    dict(model="smollm2-135m", tpu="v3:2x2", method_names=["ar"], dtype="bfloat16", batch=1),
+]
+
+
+def _run_all(runs: list[dict]) -> list[dict]:
+    """Child process: compile_all for each run; one JSON report per run."""
+    from hsd_jax import compile as hc
+    from hsd_jax.config import ModelConfig
+
+    reports = []
+    for run in runs:
+        run = dict(run)
+        if "config" in run:
+            run["config"] = ModelConfig(**run["config"])
+        if "mesh" in run:
+            run["mesh"] = tuple(run["mesh"])
+        reports.append(hc.compile_all(**run))
+    return reports
+
+
+@pytest.fixture(scope="module")
+def tpu_reports():
+    if not HAS_LIBTPU:
+        pytest.skip("libtpu is not installed (pip install -e '.[tpu-compile]'): no TPU compiler here")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+               PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, __file__, json.dumps(TPU_RUNS)], capture_output=True, text=True,
+                          env=env, timeout=1500, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check(report, platform, kernel):
+    assert report["platform"] == platform
+    failed = [(p["name"], p["error"]) for p in report["programs"] if not p["ok"]]
+    assert not failed and report["ok"], failed
+    for p in report["programs"]:
+        if p["kernels_expected"]:   # every decode loop runs the Pallas tree attention
+            assert p["kernels"][kernel] >= 1, p
+        else:   # training steps keep the reference attention (no grad through pallas_call)
+            assert p["kernels"][kernel] == 0, p
+
+
+def test_tpu_every_method_and_training_compiles_with_mosaic(tpu_reports):
+    tiny = tpu_reports[:2]
+    names = {p["name"].split("/")[0] for r in tiny for p in r["programs"]}
+    assert names == set(ALL_METHODS) | {"train-hsd"}
+    for report in tiny:
+        _check(report, "tpu", "mosaic")
+        assert report["device_kind"] == "TPU v5 lite"
+        for p in report["programs"]:
+            mem, cost = p["memory"], p["cost"]
+            assert mem["argument"] > 0 and mem["fits"] and 15 << 30 < mem["hbm"] < 17 << 30   # v5e: 16 GiB
+            assert cost["flops"] > 0 and cost["bytes_accessed"] > 0
+    assert {r["dtype"] for r in tiny} == {"bfloat16", "float32"} and {r["batch"] for r in tiny} == {1, 4}
+
+
+def test_tpu_model_axis_mesh_compiles(tpu_reports):
+    report = tpu_reports[2]
+    _check(report, "tpu", "mosaic")
+    assert report["mesh"] == "1x4" and report["programs"][0]["name"] == "lookup/bf16/b1/mesh1x4"
+
+
+def test_tpu_smollm2_compiles_on_v5e_and_v3(tpu_reports):
+    v5e, v3 = tpu_reports[3:]
+    for report, kind in ((v5e, "TPU v5 lite"), (v3, "TPU v3")):
+        _check(report, "tpu", "mosaic")
+        assert report["device_kind"] == kind
+    # SmolLM2's 135M bf16 weights (~270 MB) are the arguments: the compiler saw the real shapes
+    assert 250e6 < v5e["programs"][0]["memory"]["argument"] < 400e6
+
+
+@pytest.fixture(scope="module")
+def tiny_config():
+    from hsd_jax.config import ModelConfig
+
+    return ModelConfig(**TINY)
+
+
+@pytest.mark.parametrize("run", [0, 1])
+def test_cuda_every_method_and_kind_lowers_with_triton(tiny_config, run):
+    """The TPU runs' split of methods, dtypes and batches, and every kind's training step."""
+    from hsd_jax import compile as hc
+
+    spec = TPU_RUNS[run]
+    train = list(hc.TRAIN_KINDS[:2] if run == 0 else hc.TRAIN_KINDS[2:])
+    report = hc.compile_all(cuda=True, config=tiny_config, dtype=spec["dtype"], batch=spec["batch"],
+                            method_names=spec["method_names"], train=train, train_options=TRAIN_SMALL)
+    _check(report, "cuda", "triton")
+    names = [p["name"].split("/")[0] for p in report["programs"]]
+    assert names == spec["method_names"] + [f"train-{k}" for k in train]
+
+
+def test_cli_compile_reads_only_the_config_and_reports_json(tmp_path):
+    save_hf_dir(tiny_target(), tmp_path / "tiny")
+    r = run_cli("compile", "--cuda", "--model", tmp_path / "tiny", "--methods", "ar,lookup", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [p["name"] for p in report["programs"]] == ["ar/bf16/b1", "lookup/bf16/b1"]
+    assert all(p["ok"] and p["kernels"]["triton"] >= 1 for p in report["programs"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--cuda", "--methods", "medusa"], "unknown methods"),
+    (["--cuda", "--mesh", "1x2"], "--mesh is for --tpu"),
+    (["--cuda", "--methods", "none"], "nothing to compile"),
+    (["--cuda", "--methods", "none", "--train", "bogus"], "--train kinds are"),
+    (["--cuda", "--model", "no-such-model"], "unknown model"),
+])
+def test_cli_compile_bad_input_exits_2_with_one_line(args, message):
+    r = run_cli("compile", *args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_all(json.loads(sys.argv[1]))))
