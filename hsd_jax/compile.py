@@ -83,6 +83,7 @@ def tpu_devices(topology: str) -> list:
     # another process (any JAX process here, once libtpu is installed) holds its lock file.
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")   # else libtpu logs an error about its absence
     try:
         import libtpu  # noqa: F401
     except ImportError:
