@@ -50,6 +50,18 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+def model_path(model: str) -> str:
+    """The file or directory `model` names: the embedded default's GGUF, a .gguf file or a HF directory."""
+    from hsd_jax.loading.gguf_loader import DEFAULT_MODEL, default_gguf_path
+
+    if model == DEFAULT_MODEL:
+        return default_gguf_path()
+    if os.path.exists(model):
+        return model
+    raise ModelLoadError(f"unknown model {model!r}: give {DEFAULT_MODEL!r}, a .gguf file "
+                         "or a Hugging Face model directory")
+
+
 def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_cache_len: int = 2048,
                 attention_impl: str = "auto", feature_layers: Sequence[int] = (),
                 tokenizer: bool = True, mesh=None) -> Target:
@@ -57,7 +69,7 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
 
     With a `mesh`, weights go from host memory straight into their shards (partition rules of
     `hsd_jax.sharding`), never whole onto one device."""
-    from hsd_jax.loading.gguf_loader import DEFAULT_MODEL, default_gguf_path, load_gguf
+    from hsd_jax.loading.gguf_loader import load_gguf
     from hsd_jax.loading.hf import load_hf_dir
     from hsd_jax.loading.tokenizer import load_tokenizer
 
@@ -65,13 +77,7 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
         raise ConfigError(f"max_cache_len must be positive, got {max_cache_len}")
     overrides = dict(dtype=dtype or default_dtype(), attention_impl=attention_impl,
                      feature_layers=tuple(feature_layers))
-    if model == DEFAULT_MODEL:
-        path = default_gguf_path()
-    elif os.path.exists(model):
-        path = model
-    else:
-        raise ModelLoadError(f"unknown model {model!r}: give {DEFAULT_MODEL!r}, a .gguf file "
-                             "or a Hugging Face model directory")
+    path = model_path(model)
     loader = load_gguf if path.endswith(".gguf") else load_hf_dir
     try:
         cfg, params = loader(path, host=mesh is not None, **overrides)

@@ -28,7 +28,6 @@ from jax.sharding import PartitionSpec as P
 
 from hsd_jax import api, engine, methods, sharding
 from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig
-from hsd_jax.loading.errors import ModelLoadError
 
 PLATFORM_IMPL = {"tpu": "pallas_tpu", "cuda": "pallas_triton"}
 # The custom calls that carry the Pallas kernels: Mosaic's on TPU (compiled HLO), Triton's in the
@@ -105,17 +104,11 @@ def one_line(e: BaseException) -> str:
 def model_config(model: str, dtype: str, platform: str) -> tuple[ModelConfig, str]:
     """The target's config (no weights read) with this dtype and the platform's Pallas attention."""
     from hsd_jax.loading.gguf_file import read_gguf
-    from hsd_jax.loading.gguf_loader import DEFAULT_MODEL, default_gguf_path, gguf_config
+    from hsd_jax.loading.gguf_loader import gguf_config
     from hsd_jax.loading.hf import hf_config, read_json
 
     overrides = dict(dtype=dtype, attention_impl=PLATFORM_IMPL[platform])
-    if model == DEFAULT_MODEL:
-        path = default_gguf_path()
-    elif os.path.exists(model):
-        path = model
-    else:
-        raise ModelLoadError(f"unknown model {model!r}: give {DEFAULT_MODEL!r}, a .gguf file "
-                             "or a Hugging Face model directory")
+    path = api.model_path(model)
     if path.endswith(".gguf"):
         return gguf_config(read_gguf(path), path, **overrides), model
     return hf_config(read_json(os.path.join(path, "config.json")), path, **overrides), model
@@ -284,7 +277,9 @@ def build(program: Program, platform: str, hbm_bytes: int | None = None) -> Resu
             exported = jax.export.export(program.fn, platforms=("cuda",), disabled_checks=unstable)(
                 *program.args, **program.static)
             res.kernels = _count_kernels(exported.mlir_module(), platform)
-        res.ok = True
+        res.ok = not program.kernels_expected or sum(res.kernels.values()) > 0
+        if not res.ok:
+            res.error = "built, but without the Pallas tree-attention kernel (attention fell back to XLA)"
     except Exception as e:   # the report names it; the caller's exit status says that something failed
         res.error = one_line(e)
     res.seconds = round(time.perf_counter() - t0, 2)
@@ -336,7 +331,7 @@ def compile_all(*, tpu: str | None = None, cuda: bool = False, model: str = "smo
             hbm = info.hbm_capacity_bytes * info.num_cores
     target = abstract_target(cfg, name)
     sampling = SamplingConfig(float(temperature))
-    programs = generate_programs(target, [m for m in method_names], dev_mesh, batch=batch, prompt_len=prompt_len,
+    programs = generate_programs(target, list(method_names), dev_mesh, batch=batch, prompt_len=prompt_len,
                                  max_new_tokens=max_new_tokens, sampling=sampling)
     programs += train_programs(target, train, dev_mesh, **(train_options or {}))
     if platform == "cuda":   # lowered for one GPU: no device shardings in the arguments
