@@ -27,13 +27,25 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hsd_jax import api, engine, methods, sharding
-from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig
+from hsd_jax.config import ConfigError, InputError, ModelConfig, RopeScaling, SamplingConfig
 
 PLATFORM_IMPL = {"tpu": "pallas_tpu", "cuda": "pallas_triton"}
 # The custom calls that carry the Pallas kernels: Mosaic's on TPU (compiled HLO), Triton's in the
 # CUDA StableHLO lowering.
 KERNEL_CALLS = {"tpu": {"mosaic": "tpu_custom_call"}, "cuda": {"triton": "__gpu$xla.gpu.triton"}}
 TRAIN_KINDS = ("hsd", "eagle", "eagle3", "sd")
+
+
+def _llama3(hidden: int, inter: int, layers: int, head_dim: int, factor: float, tie: bool) -> ModelConfig:
+    return ModelConfig(vocab_size=128256, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=32,
+                       num_kv_heads=8, head_dim=head_dim, rope_theta=500000.0, tie_word_embeddings=tie,
+                       rope_scaling=RopeScaling("llama3", factor, 1.0, 4.0, 8192), max_position_embeddings=131072)
+
+
+# Published architectures by shape alone (config.json of each release): `--model NAME-shape` compiles their
+# programs with no files at all (what a bigger target would cost; drafters are random-initialised).
+SHAPES = {"llama-3.2-1b-shape": _llama3(2048, 8192, 16, 64, 32.0, True),
+          "llama-3.1-8b-shape": _llama3(4096, 14336, 32, 128, 8.0, False)}
 
 
 class CompileSetupError(ConfigError):
@@ -102,12 +114,15 @@ def one_line(e: BaseException) -> str:
 
 
 def model_config(model: str, dtype: str, platform: str) -> tuple[ModelConfig, str]:
-    """The target's config (no weights read) with this dtype and the platform's Pallas attention."""
+    """The target's config (no weights read; a name in SHAPES needs no file) with this dtype and the
+    platform's Pallas attention."""
     from hsd_jax.loading.gguf_file import read_gguf
     from hsd_jax.loading.gguf_loader import gguf_config
     from hsd_jax.loading.hf import hf_config, read_json
 
     overrides = dict(dtype=dtype, attention_impl=PLATFORM_IMPL[platform])
+    if model in SHAPES:
+        return SHAPES[model].replace(**overrides), model
     path = api.model_path(model)
     if path.endswith(".gguf"):
         return gguf_config(read_gguf(path), path, **overrides), model

@@ -135,6 +135,21 @@ def test_cli_compile_reads_only_the_config_and_reports_json(tmp_path):
     assert all(p["ok"] and p["kernels"]["triton"] >= 1 for p in report["programs"])
 
 
+def test_shape_presets_have_the_published_parameter_counts():
+    """`--model llama-3.2-1b-shape` / `llama-3.1-8b-shape` need no files: their abstract params count
+    what the releases publish (1,235,814,400 and 8,030,261,248), so the compiler sees their real shapes."""
+    import jax
+    import numpy as np
+
+    from hsd_jax import compile as hc
+
+    for name, count in (("llama-3.2-1b-shape", 1_235_814_400), ("llama-3.1-8b-shape", 8_030_261_248)):
+        cfg, _ = hc.model_config(name, "bfloat16", "tpu")
+        params = hc.abstract_target(cfg, name).params
+        assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)) == count
+        assert cfg.attention_impl == "pallas_tpu" and cfg.dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("args,message", [
     (["--cuda", "--methods", "medusa"], "unknown methods"),
     (["--cuda", "--mesh", "1x2"], "--mesh is for --tpu"),
