@@ -2,13 +2,16 @@
 libtpu) and lower for CUDA on this CPU machine, each decode loop with the Pallas tree-attention kernel
 in it (Mosaic on TPU, Triton on CUDA).
 
-Cost: a TPU compile of a tiny model's speculative loop takes 8-30 s here (the TPU compiler on a
-shared 2-core CPU), a training step ~25-35 s, so the suite compiles a representative set for TPU
-(every method once, bf16 at batch 1 and f32 at batch 4 split between them; hsd in both; two
-drafter kinds' training steps; a 1x4 model-axis mesh; SmolLM2 on v5e and v3), all in one child
-process. CUDA lowering costs ~1-3 s a program: every method in bf16 at batch 1 and f32 at batch 4,
-and every kind's training step. `hsd compile --tpu v5e:2x2 --dtype {bfloat16,float32} --batch {1,4}
---train all` checks the rest by hand (README)."""
+Cost (measured 2026-12-03 on the shared 2-core CPU, other jobs running): a TPU compile of the tiny
+model's loops takes 4-24 s each (ar 4, lookup 8, ngram 9, sd 13, eagle/eagle3/hsd 23-24), a training
+step ~30 s; SmolLM2's speculative loops 30-80 s. So the suite compiles a representative set for TPU,
+all in one child process (one JAX and libtpu start; ~200 s of that CPU): every method once, bf16 at
+batch 1 (ar, hsd, eagle3, lookup) and f32 at batch 4 (sd, eagle, ngram); hsd's training step; a 1x4
+model-axis mesh (lookup); SmolLM2 on v5e (lookup: the kernel at its 9/3 heads) and on v3 (ar: v3's
+Mosaic refuses bf16 matmuls, which the kernel now widens). CUDA lowering (~1-5 s a program): the same
+split of methods and every kind's training step. The full matrix (every method x bf16/f32 x batch
+1/4, SmolLM2, every training step) ran by hand with `hsd compile` (BENCHMARKS.md, "Compiled for a TPU
+without one")."""
 import importlib.util
 import json
 import os
