@@ -348,8 +348,9 @@ def _add_compile(sub):
     where.add_argument("--tpu", metavar="TOPOLOGY", help="a TPU topology: v5e:2x2, v5e:2x4, v4:2x2x1, v3:2x2, "
                                                          "v5p:2x2x1, v6e:2x2, v2:2x2 (needs libtpu: '.[tpu-compile]')")
     where.add_argument("--cuda", action="store_true", help="lower for a CUDA GPU (Triton kernels)")
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a .gguf file or a HF directory (only its "
-                                                           "config is read), or llama-3.2-1b-shape / llama-3.1-8b-shape")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m, a .gguf file or a HF directory (only its config is read), or "
+                        "llama-3.2-1b-shape / llama-3.1-8b-shape")
     p.add_argument("--methods", default=",".join(methods.METHODS),
                    help="comma-separated generate methods, or 'none' (default: all)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")

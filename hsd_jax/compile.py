@@ -252,7 +252,8 @@ def train_programs(target: api.Target, kinds: Sequence[str], mesh, **options) ->
 
 def _count_kernels(text: str, platform: str) -> dict:
     """Custom calls to each kernel target: `custom_call_target="T"` in HLO, `custom_call @T(` in StableHLO."""
-    return {name: text.count(f'"{target}"') + text.count(f"@{target}(") for name, target in KERNEL_CALLS[platform].items()}
+    return {name: text.count(f'"{target}"') + text.count(f"@{target}(")
+            for name, target in KERNEL_CALLS[platform].items()}
 
 
 def _memory(compiled, hbm_bytes: int | None) -> dict | None:
@@ -375,7 +376,8 @@ def format_result(r: Result) -> str:
     parts = [" ".join(f"{k}={v}" for k, v in r.kernels.items())]
     if r.memory:
         m = r.memory
-        fit = "" if "hbm" not in m else f" of {m['hbm'] / 2 ** 30:.0f} GiB HBM ({'fits' if m['fits'] else 'DOES NOT FIT'})"
+        fit = "" if "hbm" not in m else (f" of {m['hbm'] / 2 ** 30:.0f} GiB HBM "
+                                         f"({'fits' if m['fits'] else 'DOES NOT FIT'})")
         parts.append(f"args {_mib(m['argument'])} out {_mib(m['output'])} temp {_mib(m['temp'])}{fit}")
     if r.cost:
         parts.append(f"flops {r.cost['flops']:.3g} bytes {r.cost['bytes_accessed']:.3g}")
