@@ -246,7 +246,8 @@ def train_programs(target: api.Target, kinds: Sequence[str], mesh, **options) ->
         key = _place(jax.eval_shape(lambda: jax.random.key(0)), mesh)
         lr = _place(jax.ShapeDtypeStruct((), jnp.float32), mesh)
         step = trainer.make_train_step(built["loss"], tx, state)
-        programs.append(Program(f"train-{kind}", step, (state, b, key, lr, consts), {}, mesh, kernels_expected=False))
+        programs.append(Program(f"train-{kind}/b{batch}w{window}", step, (state, b, key, lr, consts), {}, mesh,
+                                kernels_expected=False))
     return programs
 
 
@@ -353,8 +354,8 @@ def compile_all(*, tpu: str | None = None, cuda: bool = False, model: str = "smo
     if platform == "cuda":   # lowered for one GPU: no device shardings in the arguments
         programs = [dataclasses.replace(p, args=_strip_shardings(p.args), mesh=None) for p in programs]
     results = []
-    for p in programs:
-        p.name = f"{p.name}/{'bf16' if dtype == 'bfloat16' else 'f32'}/b{batch}" + (
+    for p in programs:   # name/dtype/batch[/mesh]; training steps carry their own batch and window
+        p.name = f"{p.name}/{'bf16' if dtype == 'bfloat16' else 'f32'}" + ("" if "/" in p.name else f"/b{batch}") + (
             f"/mesh{data}x{model_axis}" if (data, model_axis) != (1, 1) else "")
         results.append(build(p, platform, hbm))
         if log is not None:
