@@ -169,6 +169,18 @@ def _add_data(sub):
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_data_generate)
+    t = dsub.add_parser("text", help="shards of text the target did not write (GSM8K-train reference answers, the "
+                        "Python standard library's code), trained on with the target's own labels")
+    t.add_argument("--model", default="smollm2-135m")
+    t.add_argument("--out", required=True, help="output directory for the token shards")
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gsm8k", metavar="JSONL", help="GSM8K train jsonl: each question with its reference answer")
+    src.add_argument("--python-stdlib", action="store_true",
+                     help="this Python's standard-library modules (PSF-2.0), cut into --chunk-tokens pieces")
+    t.add_argument("--chunk-tokens", type=int, default=144, help="code tokens per row (--python-stdlib)")
+    t.add_argument("--max-rows", type=int, default=0, help="keep this many rows (a seeded shuffle; 0: all)")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_data_text)
     n = dsub.add_parser("ngram", help="count response bigrams into the n-gram floor drafter (seconds, no training)")
     n.add_argument("--model", default="smollm2-135m")
     n.add_argument("--data", action="append", required=True, metavar="DIR", help="data directory (repeatable)")
@@ -190,6 +202,26 @@ def cmd_data_ngram(a) -> int:
     target = load_target(a.model, max_cache_len=512, tokenizer=False)
     command = "hsd data ngram " + " ".join(f"--data {d}" for d in a.data) + f" --out {a.out} --top-k {a.top_k}"
     print(json.dumps(build_ngram_drafter(a.data, target, a.out, a.top_k, command)))
+    return 0
+
+
+def cmd_data_text(a) -> int:
+    import random
+
+    from hsd_jax.api import load_target
+    from hsd_jax.train.data import gsm8k_reference_pairs, stdlib_code_pairs, write_text_data
+
+    if a.chunk_tokens < 8 or a.max_rows < 0:
+        raise UsageError(f"--chunk-tokens must be >= 8 and --max-rows >= 0, got {a.chunk_tokens} and {a.max_rows}")
+    target = load_target(a.model, max_cache_len=512)
+    if a.gsm8k:
+        pairs = gsm8k_reference_pairs(a.gsm8k)
+    else:
+        pairs = stdlib_code_pairs(a.chunk_tokens, lambda text: target.tokenizer(text, add_special_tokens=False)["input_ids"])
+    random.Random(a.seed).shuffle(pairs)
+    pairs = pairs[: a.max_rows or None]
+    n = write_text_data(target, pairs, a.out)
+    _say(f"wrote {len(pairs)} rows, {n} response tokens, to {a.out}")
     return 0
 
 
@@ -225,6 +257,12 @@ def _add_train(sub):
     p.add_argument("--config", required=True, help="YAML training config (configs/train/*.yaml)")
     p.add_argument("--steps", type=int, default=None, help="override the config's step count")
     p.add_argument("--out-dir", default=None, help="override the config's output directory")
+    p.add_argument("--init-from", default=None, help="override the config's starting drafter")
+    p.add_argument("--start-step", type=int, default=None,
+                   help="with --init-from and no checkpoint yet: continue the schedule from this step")
+    p.add_argument("--until-step", type=int, default=None,
+                   help="stop at this step (checkpoint, evaluation, exported drafter); the schedule still "
+                        "runs to the config's steps: a long run in chunks")
     _add_mesh_arg(p)
     p.set_defaults(func=cmd_train)
 
@@ -232,8 +270,11 @@ def _add_train(sub):
 def cmd_train(a) -> int:
     from hsd_jax.train.trainer import TrainConfig, train
 
-    cfg = TrainConfig.from_yaml(a.config, steps=a.steps, out_dir=a.out_dir)
-    final = train(cfg, mesh=_mesh(a))
+    if a.until_step is not None and a.until_step < 1:
+        raise UsageError(f"--until-step must be >= 1, got {a.until_step}")
+    cfg = TrainConfig.from_yaml(a.config, steps=a.steps, out_dir=a.out_dir, init_from=a.init_from,
+                                start_step=a.start_step)
+    final = train(cfg, mesh=_mesh(a), until_step=a.until_step)
     _say(json.dumps(final))
     return 0
 

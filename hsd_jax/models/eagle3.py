@@ -25,7 +25,7 @@ import numpy as np
 from hsd_jax.cache import KVCache, write_layer
 from hsd_jax.config import ConfigError, ModelConfig, RopeScaling, _require
 from hsd_jax.loading.errors import ModelLoadError
-from hsd_jax.models.layers import apply_rope, init_program, rms_norm, rope_inv_freq
+from hsd_jax.models.layers import apply_rope, init_program, matmul, rms_norm, rope_inv_freq
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
 LAYER_KEYS = ("hidden_norm", "input_layernorm", "post_attention_layernorm")
@@ -132,7 +132,7 @@ def init_params(cfg: Eagle3Config, key: jax.Array, std: float = 0.05) -> dict:
 def fuse(params: dict, aux: jax.Array) -> jax.Array:
     """g = fc([low; mid; high]) from the target's layer outputs aux [3, ..., H_target]."""
     w = params["fc"]["kernel"]
-    return jnp.concatenate(list(aux), -1).astype(w.dtype) @ w
+    return matmul(jnp.concatenate(list(aux), -1).astype(w.dtype), w)
 
 
 def project(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, positions: jax.Array):
@@ -143,7 +143,7 @@ def project(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, 
     x = jnp.concatenate([rms_norm(emb, p["input_layernorm"]["scale"], cfg.rms_norm_eps),
                          rms_norm(hidden, p["hidden_norm"]["scale"], cfg.rms_norm_eps)], -1).astype(dt)
     inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    heads = lambda name, n: (x @ p[name]["kernel"]).reshape(b, t, n, cfg.head_dim)
+    heads = lambda name, n: matmul(x, p[name]["kernel"]).reshape(b, t, n, cfg.head_dim)
     q = apply_rope(heads("q_proj", cfg.num_heads), positions, inv).transpose(0, 2, 1, 3)
     return q, apply_rope(heads("k_proj", cfg.num_kv_heads), positions, inv), heads("v_proj", cfg.num_kv_heads)
 
@@ -153,10 +153,11 @@ def finish(params: dict, cfg: Eagle3Config, hidden: jax.Array, attn: jax.Array) 
     p = params["midlayer"]
     dt = p["q_proj"]["kernel"].dtype
     b, t, _ = hidden.shape
-    h = hidden.astype(dt) + attn.transpose(0, 2, 1, 3).reshape(b, t, -1).astype(dt) @ p["o_proj"]["kernel"]
+    h = hidden.astype(dt) + matmul(attn.transpose(0, 2, 1, 3).reshape(b, t, -1).astype(dt), p["o_proj"]["kernel"])
     m = p["mlp"]
     y = rms_norm(h, p["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
-    return h + (jax.nn.silu(y @ m["gate_proj"]["kernel"]) * (y @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
+    return h + matmul(jax.nn.silu(matmul(y, m["gate_proj"]["kernel"])) * matmul(y, m["up_proj"]["kernel"]),
+                      m["down_proj"]["kernel"])
 
 
 def layer(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, positions: jax.Array,
@@ -184,7 +185,7 @@ def logits(params: dict, cfg: Eagle3Config, h: jax.Array, emb: jax.Array | None 
 
         h = fused_readout(params["inject"], h.astype(jnp.float32), [_unit_rms(emb)], cfg.readout_scale)
     y = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps).astype(jnp.float32)
-    return y @ params["lm_head"]["kernel"].astype(jnp.float32)
+    return matmul(y, params["lm_head"]["kernel"].astype(jnp.float32))
 
 
 def embedding(params: dict, target_embedding: jax.Array) -> jax.Array:

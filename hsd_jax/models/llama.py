@@ -20,7 +20,16 @@ import jax.numpy as jnp
 from hsd_jax import cpu_kernels
 from hsd_jax.cache import KVCache, write_layer
 from hsd_jax.config import ModelConfig
-from hsd_jax.models.layers import RMSNorm, SwiGLU, apply_rope, init_program, jnp_dtype, rms_norm, rope_inv_freq
+from hsd_jax.models.layers import (
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    dot_general,
+    init_program,
+    jnp_dtype,
+    rms_norm,
+    rope_inv_freq,
+)
 from pallas_kernels.tree_attention import ancestor_mask, resolve_attention_impl, tree_attention
 
 
@@ -53,7 +62,7 @@ class DecoderLayer(nn.Module):
     def setup(self):
         cfg = self.cfg
         dt = jnp_dtype(cfg)
-        dense = lambda n, bias: nn.Dense(n, use_bias=bias, dtype=dt, param_dtype=dt)
+        dense = lambda n, bias: nn.Dense(n, use_bias=bias, dtype=dt, param_dtype=dt, dot_general=dot_general)
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps, dt)
         self.q_proj = dense(cfg.num_heads * cfg.head_dim, cfg.attention_bias)
         self.k_proj = dense(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)

@@ -81,15 +81,24 @@ def shard_paths(out_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(out_dir, "shard_*.npz")))
 
 
-def write_shard(path: str, seqs: list[list[int]], prompt_lens: list[int]) -> None:
+def write_shard(path: str, seqs: list[list[int]], prompt_lens: list[int], target_labels: bool = False) -> None:
+    """One shard; `target_labels`: the responses are text the target did not write, so training takes
+    its labels from the target's own prediction at each position (`has_target_labels`)."""
     width = max(len(s) for s in seqs)
     tokens = np.zeros((len(seqs), width), np.int32)
     for i, s in enumerate(seqs):
         tokens[i, : len(s)] = s
     tmp = path + ".tmp.npz"
+    extra = {"target_labels": np.ones(1, np.int8)} if target_labels else {}
     np.savez_compressed(tmp, tokens=tokens, lengths=np.array([len(s) for s in seqs], np.int32),
-                        prompt_lens=np.array(prompt_lens, np.int32))
+                        prompt_lens=np.array(prompt_lens, np.int32), **extra)
     os.replace(tmp, path)
+
+
+def has_target_labels(path: str) -> bool:
+    """Whether a shard's responses need the target's own labels (written by `write_text_data`)."""
+    with np.load(path, allow_pickle=False) as z:
+        return "target_labels" in z.files
 
 
 def shard_rows(path: str) -> list[tuple[np.ndarray, int]]:
@@ -162,4 +171,75 @@ def generate_data(target, prompts: list, out_dir: str, *, batch_size: int = 48, 
         bar.set_postfix(tokens=written)
     bar.close()
     distributed.barrier("generate_data")
+    return written
+
+
+def gsm8k_reference_pairs(path: str) -> list[tuple[str, str]]:
+    """(question, reference answer) pairs of GSM8K-train (MIT), the answers without their
+    calculator annotations (`<<48/2=24>>`)."""
+    import re
+
+    if not os.path.isfile(path):
+        raise DataError(f"GSM8K file not found: {path}")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(r["question"], re.sub(r"<<[^>]*>>", "", r["answer"])) for r in rows]
+
+
+def python_stdlib_files(root: str | None = None) -> list[str]:
+    """The running CPython's standard-library modules (PSF-2.0), sorted, tests and site-packages
+    excluded."""
+    import sysconfig
+
+    root = root or sysconfig.get_paths()["stdlib"]
+    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "encodings")
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in skip and not d.startswith("."))
+        out.extend(os.path.join(dirpath, f) for f in sorted(files) if f.endswith(".py"))
+    return out
+
+
+def stdlib_code_pairs(chunk_tokens: int, tokenizer_encode, root: str | None = None) -> list[tuple[str, list[int]]]:
+    """(request, code chunk token ids) per `chunk_tokens` slice of every standard-library module."""
+    import sysconfig
+
+    root = root or sysconfig.get_paths()["stdlib"]
+    pairs = []
+    for path in python_stdlib_files(root):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            ids = tokenizer_encode(f.read())
+        name = os.path.relpath(path, root)
+        for part, i in enumerate(range(0, len(ids), chunk_tokens)):
+            chunk = ids[i: i + chunk_tokens]
+            if len(chunk) >= chunk_tokens // 4:
+                pairs.append((f"Show part {part + 1} of the Python standard library file {name}.", chunk))
+    return pairs
+
+
+def write_text_data(target, pairs: list, out_dir: str, *, shard_size: int = 48, max_prompt_tokens: int = 256,
+                    max_response_tokens: int = 256, progress: bool = True) -> int:
+    """Shards of (chat-formatted request, text response) rows for a target prefill: text the target
+    did not write (GSM8K-train reference answers, licensed code), trained on with the target's own
+    next-token labels (the feature cache computes them). Requests and responses are strings or token ids.
+    Deterministic and resumable like `generate_data`. Returns the response tokens written."""
+    from tqdm import tqdm
+
+    os.makedirs(out_dir, exist_ok=True)
+    eos = target.config.eos_token_ids[0] if target.config.eos_token_ids else None
+    written = 0
+    for b in tqdm(range(0, len(pairs), shard_size), desc="text shards", unit="shard", disable=not progress):
+        path = os.path.join(out_dir, f"shard_{b // shard_size:05d}.npz")
+        seqs, plens = [], []
+        for request, response in pairs[b: b + shard_size]:
+            prompt = target.encode(request, chat=True) if isinstance(request, str) else list(request)
+            resp = list(response) if not isinstance(response, str) else target.encode(response)
+            ended = eos is not None and len(resp) < max_response_tokens   # a whole answer ends as the target's do
+            resp = resp[:max_response_tokens] + ([eos] if ended else [])
+            if len(prompt) <= max_prompt_tokens and resp:
+                seqs.append(prompt + resp)
+                plens.append(len(prompt))
+        written += sum(len(s) - p for s, p in zip(seqs, plens))
+        if seqs and not os.path.exists(path):
+            write_shard(path, seqs, plens, target_labels=True)
     return written
