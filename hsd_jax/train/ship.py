@@ -5,7 +5,7 @@ import json
 import os
 import shutil
 
-from hsd_jax.api import SHIPPED_DRAFTERS
+from hsd_jax.api import ORBAX_COMMIT_MARKER, SHIPPED_DRAFTERS
 
 
 def _size_mb(path: str) -> float:
@@ -20,7 +20,7 @@ def ship(run_dir: str, model: str, kind: str, *, config_path: str, command: str,
     dst = os.path.join(SHIPPED_DRAFTERS, model, kind)
     if os.path.isdir(dst):
         shutil.rmtree(dst)
-    shutil.copytree(src, dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(ORBAX_COMMIT_MARKER))  # it names the run's absolute path
     final, hist = metrics["final"], metrics["history"]
     lines = [
         f"# {kind} drafter for {model}",
