@@ -214,6 +214,9 @@ def compiled(fn, args, static: dict, options: dict | None = None):
     return exe, time.perf_counter() - t0
 
 
+ORBAX_COMMIT_MARKER = "commit_success.txt"  # written by Orbax beside a checkpoint: "... successful to /abs/dir"
+
+
 def _drafter_paths(path: str) -> tuple[str, str, str]:
     return os.path.join(path, "drafter.json"), os.path.join(path, "d2t.npy"), os.path.join(path, "params")
 
@@ -235,6 +238,11 @@ def save_drafter(drafter, path: str) -> None:
         if jax.tree.leaves(host):  # a weightless drafter (lookup): its config is all there is
             with distributed.primary_checkpointer() as ckpt:
                 ckpt.save(os.path.abspath(params_path), host, force=True)
+            # Orbax's commit marker names this machine's absolute directory; a local restore does
+            # not read it, and a drafter that ships in the package must not carry the path.
+            marker = os.path.join(params_path, ORBAX_COMMIT_MARKER)
+            if os.path.isfile(marker):
+                os.remove(marker)
     distributed.barrier("save_drafter")
 
 

@@ -1,5 +1,7 @@
 """Speculative engine on a tiny random target: losslessness, bookkeeping, batching, reuse, errors."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -291,6 +293,9 @@ def test_drafter_save_load_round_trip(tmp_path, tiny, drafters):
         save_drafter(d, str(tmp_path / kind))
         back = load_drafter(kind, str(tmp_path / kind), target=tiny)
         assert back.config == d.config
+        for dirpath, _, files in os.walk(tmp_path / kind):  # nothing written names the directory it went to
+            for f in files:
+                assert str(tmp_path).encode() not in open(os.path.join(dirpath, f), "rb").read(), f
         same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), d.params, back.params)
         assert all(jax.tree.leaves(same))
     with pytest.raises(ModelLoadError, match="holds a 'hsd' drafter"):

@@ -226,7 +226,7 @@ def _cfg(tmp_path, data_dir, **kw):
 
 
 @pytest.mark.parametrize("kind", ["hsd", "eagle"])
-def test_training_lowers_loss_and_raises_acceptance(tmp_path, tiny, tiny_data, kind):
+def test_training_lowers_loss_and_raises_acceptance(tmp_path, tiny, tiny_data, kind, monkeypatch):
     cfg = _cfg(tmp_path, tiny_data, kind=kind)
     final = train(cfg, target=tiny, progress=False, log=lambda *_: None)
     metrics = json.load(open(os.path.join(cfg.out_dir, "metrics.json")))
@@ -244,6 +244,22 @@ def test_training_lowers_loss_and_raises_acceptance(tmp_path, tiny, tiny_data, k
     res = generate(tiny, prompt, max_new_tokens=24, method=kind, drafter=dr, tree_nodes=6, tree_depth=3,
                    tree_top_k=2)[0]
     assert res.token_ids == ref.token_ids and res.stats["tau"] > 1.1
+
+    # shipping it: no file of the package copy names a directory of this machine (the run's, the data's)
+    from hsd_jax.train import ship
+
+    params = os.path.join(cfg.out_dir, "drafter", "params")
+    assert not os.path.exists(os.path.join(params, "commit_success.txt"))  # save_drafter left Orbax's marker out
+    with open(os.path.join(params, "commit_success.txt"), "w") as f:         # as drafters saved before wrote it
+        f.write(f"Checkpoint commit was successful to {os.path.abspath(params)}")
+    monkeypatch.setattr(ship, "SHIPPED_DRAFTERS", str(tmp_path / "package"))
+    dst = ship.ship(cfg.out_dir, "tiny", kind, config_path="configs/train/x.yaml", command="hsd train")
+    for dirpath, _, files in os.walk(dst):
+        for name in files:
+            data = open(os.path.join(dirpath, name), "rb").read()
+            assert str(tmp_path).encode() not in data and tiny_data.encode() not in data, name
+    shipped = load_drafter(kind, dst, target=tiny).params
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), shipped, dr.params)))
 
 
 def test_eagle3_training_lowers_loss_serves_losslessly_and_exports(tmp_path, tiny, tiny_data):

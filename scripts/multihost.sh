@@ -4,7 +4,7 @@
 # `hsd bench` with ar and hsd on SmolLM2-135M; then one process with 6 devices runs the same for
 # comparison. Only process 0 prints and writes its JSON. The automated version: tests/test_multihost.py.
 #
-# Usage: bash benchmarks/multihost.sh [extra hsd bench arguments]   (OUT=folder for the JSON files)
+# Usage: bash scripts/multihost.sh [extra hsd bench arguments]   (OUT=folder for the JSON files)
 # On real clusters the same variables come from the launcher: see README "Sharded and multi-host runs".
 set -euo pipefail
 cd "$(dirname "$0")/.."
