@@ -86,6 +86,7 @@ KERNEL_CASES = [
     (1, 256, 3, 128, "chain", jnp.bfloat16),
     (16, 256, 3, 64, "random", jnp.bfloat16),
     (5, 200, 1, 128, "random", jnp.bfloat16),
+    (5, 200, 3, 48, "random", jnp.float32),      # a head size that is not a power of two (Qwen3-style)
 ]
 
 
