@@ -12,8 +12,8 @@ tree, its own previous output h) and the embedding of token x_{q+1}:
 The fused features are the inputs of target layers 2, L//2 and L-3 (outputs of layers 1, L//2-1,
 L-4); a config's `eagle_config.eagle_aux_hidden_state_layer_ids` names layer outputs directly.
 
-Drafters published for Qwen3 targets (SpecForge, AngelSlim, the EAGLE reference) are this same LLaMA
-layer, often with a head_dim that is not hidden / heads (it is read from config.json). Some SpecForge
+Drafters for Qwen3 targets in this format (e.g. SpecForge's qwen3 configs) are this same LLaMA layer,
+with a head_dim that need not be hidden / heads (read from config.json; the cache and RoPE use it). Some SpecForge
 forks write a Qwen3-style layer (`Qwen3ForCausalLMEagle3`): the same keys plus per-head q/k RMSNorms
 (`midlayer.self_attn.q_norm` / `k_norm`), applied before RoPE when the checkpoint has them.
 """
