@@ -95,6 +95,11 @@ def test_logits_and_greedy_tokens_match_pytorch_on_real_prompts(qwen3, prompts):
     res = generate(tgt, prompts, max_new_tokens=20)   # the engine's serving path (CPU kernels at f32)
     for ids, r in zip(prompts, res):
         assert r.token_ids == torch_greedy(model, ids, 20)
+    from hsd_jax import cpu_kernels
+
+    if cpu_kernels.enabled():   # the loop ran the layers' matmuls (q/k at 4 x 48, 2 x 48 wide) in the kernels
+        assert {"q_proj", "k_proj", "v_proj", "o_proj", "mlp/down_proj"} <= set(tgt._packed[1])
+        assert cpu_kernels.attention_supported(np.float32, tgt.config.head_dim)
 
 
 SMALL_VOCAB = 96
@@ -235,7 +240,7 @@ def test_published_eagle3_drafter_runs_from_the_cli_and_one_for_another_target_i
     assert "expects target features of width 576" in lines[0]
 
 
-@pytest.mark.parametrize("switch", ["fc_norm", "norm_output"])
+@pytest.mark.parametrize("switch", ["fc_norm", "norm_output", "norm_before_residual"])
 def test_eagle3_variants_with_another_layer_are_refused(small, tmp_path, switch):
     from tests.test_eagle3 import write_eagle3
 

@@ -34,7 +34,7 @@ from hsd_jax.models.layers import apply_rope, init_program, matmul, rms_norm, ro
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLMEagle3")
 # config.json switches of EAGLE-3 variants whose layer differs from the one implemented here
-UNSUPPORTED_SWITCHES = ("fc_norm", "norm_output")
+UNSUPPORTED_SWITCHES = ("fc_norm", "norm_output", "norm_before_residual")
 LAYER_KEYS = ("hidden_norm", "input_layernorm", "post_attention_layernorm")
 QK_NORMS = ("q_norm", "k_norm")
 
