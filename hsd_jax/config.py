@@ -52,7 +52,10 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A LLaMA-family decoder (LLaMA, SmolLM, Qwen2, Mistral without sliding window)."""
+    """A LLaMA-family decoder (LLaMA, SmolLM, Qwen2, Qwen3 dense, Mistral without sliding window).
+
+    head_dim may differ from hidden_size / num_heads (Qwen3: 128 with 1024 / 16); qk_norm is Qwen3's
+    per-head RMSNorm on q and k (weights [head_dim]) before RoPE."""
 
     vocab_size: int
     hidden_size: int
@@ -67,6 +70,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     max_position_embeddings: int = 8192
     feature_layers: tuple[int, ...] = ()
     attention_impl: str = "auto"

@@ -21,6 +21,8 @@ LAYER_TENSORS = {
     "self_attn.q_proj.bias": (("q_proj", "bias"), False),
     "self_attn.k_proj.bias": (("k_proj", "bias"), False),
     "self_attn.v_proj.bias": (("v_proj", "bias"), False),
+    "self_attn.q_norm.weight": (("q_norm", "scale"), False),
+    "self_attn.k_norm.weight": (("k_norm", "scale"), False),
     "mlp.gate_proj.weight": (("mlp", "gate_proj", "kernel"), True),
     "mlp.up_proj.weight": (("mlp", "up_proj", "kernel"), True),
     "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True),
@@ -43,6 +45,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
              "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
     if cfg.attention_bias:
         layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if cfg.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,)})
     if cfg.mlp_bias:
         layer.update({"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (d,)})
     for i in range(cfg.num_layers):

@@ -10,7 +10,8 @@ from hsd_jax.config import ConfigError, ModelConfig, RopeScaling
 from hsd_jax.loading.convert import build_params
 from hsd_jax.loading.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def read_json(path: str) -> dict:
@@ -23,18 +24,37 @@ def read_json(path: str) -> dict:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
 
 
+def token_ids(value) -> tuple[int, ...]:
+    """An `eos_token_id` field (one id, a list or null) as a tuple."""
+    return () if value is None else tuple(value) if isinstance(value, list) else (value,)
+
+
+def generation_eos(path: str) -> tuple[int, ...]:
+    """EOS ids of generation_config.json, when the directory has one (chat models list the end-of-turn
+    token there, e.g. Qwen3's <|im_end|> and <|endoftext|>)."""
+    gen = os.path.join(path, "generation_config.json")
+    return token_ids(read_json(gen).get("eos_token_id")) if os.path.isfile(gen) else ()
+
+
 def hf_config(d: dict, source: str, **overrides) -> ModelConfig:
     """ModelConfig from a parsed HF config.json; refuses architectures we do not implement."""
     mtype = d.get("model_type")
+    if mtype in MOE_MODEL_TYPES:
+        raise ModelLoadError(f"{source}: model_type {mtype!r} is a mixture-of-experts model, which is not "
+                             f"supported; supported (dense): {', '.join(SUPPORTED_MODEL_TYPES)}")
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(f"{source}: unsupported model_type {mtype!r}; "
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if mtype == "qwen2" and d.get("use_sliding_window"):
-        raise ModelLoadError(f"{source}: sliding-window attention is not supported")
+    if mtype in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+        raise ModelLoadError(f"{source}: sliding-window attention is not supported "
+                             "(config.json has use_sliding_window: true)")
+    windowed = [t for t in d.get("layer_types") or () if t != "full_attention"]
+    if windowed:
+        raise ModelLoadError(f"{source}: only full attention is supported, config.json's layer_types "
+                             f"has {windowed[0]!r}")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-    eos = d.get("eos_token_id")
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    eos = token_ids(d.get("eos_token_id"))
     try:
         return ModelConfig(
             vocab_size=d["vocab_size"],
@@ -50,6 +70,7 @@ def hf_config(d: dict, source: str, **overrides) -> ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=True if mtype == "qwen2" else bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=mtype == "qwen3",
             max_position_embeddings=d.get("max_position_embeddings", 8192),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos,
@@ -87,12 +108,16 @@ def _tensor_files(path: str) -> dict[str, str]:
 
 
 def load_hf_dir(path: str, host: bool = False, **overrides) -> tuple[ModelConfig, dict]:
-    """Config and params of a HF LLaMA/Qwen2/Mistral directory."""
+    """Config and params of a HF LLaMA/Qwen2/Qwen3/Mistral directory; EOS ids from config.json and
+    generation_config.json (the tokenizer's are added by `api.load_target`)."""
     from safetensors import safe_open
 
     if not os.path.isdir(path):
         raise ModelLoadError(f"model directory not found: {path}")
     cfg = hf_config(read_json(os.path.join(path, "config.json")), path, **overrides)
+    extra = tuple(i for i in generation_eos(path) if i not in cfg.eos_token_ids)
+    if extra:
+        cfg = cfg.replace(eos_token_ids=cfg.eos_token_ids + extra)
     files = _tensor_files(path)
     handles: dict = {}
 

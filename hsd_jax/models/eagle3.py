@@ -11,6 +11,11 @@ tree, its own previous output h) and the embedding of token x_{q+1}:
 
 The fused features are the inputs of target layers 2, L//2 and L-3 (outputs of layers 1, L//2-1,
 L-4); a config's `eagle_config.eagle_aux_hidden_state_layer_ids` names layer outputs directly.
+
+Drafters for Qwen3 targets in this format (e.g. SpecForge's qwen3 configs) are this same LLaMA layer,
+with a head_dim that need not be hidden / heads (read from config.json; the cache and RoPE use it). Some SpecForge
+forks write a Qwen3-style layer (`Qwen3ForCausalLMEagle3`): the same keys plus per-head q/k RMSNorms
+(`midlayer.self_attn.q_norm` / `k_norm`), applied before RoPE when the checkpoint has them.
 """
 from __future__ import annotations
 
@@ -27,8 +32,11 @@ from hsd_jax.config import ConfigError, ModelConfig, RopeScaling, _require
 from hsd_jax.loading.errors import ModelLoadError
 from hsd_jax.models.layers import apply_rope, init_program, matmul, rms_norm, rope_inv_freq
 
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLMEagle3")
+# config.json switches of EAGLE-3 variants whose layer differs from the one implemented here
+UNSUPPORTED_SWITCHES = ("fc_norm", "norm_output", "norm_before_residual")
 LAYER_KEYS = ("hidden_norm", "input_layernorm", "post_attention_layernorm")
+QK_NORMS = ("q_norm", "k_norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +56,7 @@ class Eagle3Config:
     rope_scaling: RopeScaling = RopeScaling()
     rms_norm_eps: float = 1e-5
     own_embedding: bool = False          # the checkpoint carries embed_tokens (else the target's)
+    qk_norm: bool = False                # per-head RMSNorm on q and k before RoPE (Qwen3-style layer)
     readout: str = "plain"               # "fused": EAGLE-1's read-out MLP over [h; e(x_{q+1})] before the head
     #                                      (an ablation of the token path, outside the published format)
     readout_scale: float = 1.0           # scale of the fused read-out's term (the target features' RMS)
@@ -120,6 +129,8 @@ def init_params(cfg: Eagle3Config, key: jax.Array, std: float = 0.05) -> dict:
     ones = lambda: {"scale": jnp.ones((h,))}
     mid = {k: ones() for k in LAYER_KEYS}
     mid.update({k: w[k] for k in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    if cfg.qk_norm:
+        mid.update({k: {"scale": jnp.ones((cfg.head_dim,))} for k in QK_NORMS})
     mid["mlp"] = {k: w[k] for k in ("gate_proj", "up_proj", "down_proj")}
     params = {"fc": w["fc"], "midlayer": mid, "norm": ones(), "lm_head": w["lm_head"]}
     if cfg.readout == "fused":   # zero output layer: starts as the plain read-out
@@ -144,8 +155,11 @@ def project(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, 
                          rms_norm(hidden, p["hidden_norm"]["scale"], cfg.rms_norm_eps)], -1).astype(dt)
     inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     heads = lambda name, n: matmul(x, p[name]["kernel"]).reshape(b, t, n, cfg.head_dim)
-    q = apply_rope(heads("q_proj", cfg.num_heads), positions, inv).transpose(0, 2, 1, 3)
-    return q, apply_rope(heads("k_proj", cfg.num_kv_heads), positions, inv), heads("v_proj", cfg.num_kv_heads)
+    q, k = heads("q_proj", cfg.num_heads), heads("k_proj", cfg.num_kv_heads)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"]["scale"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"]["scale"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv).transpose(0, 2, 1, 3)
+    return q, apply_rope(k, positions, inv), heads("v_proj", cfg.num_kv_heads)
 
 
 def finish(params: dict, cfg: Eagle3Config, hidden: jax.Array, attn: jax.Array) -> jax.Array:
@@ -205,6 +219,10 @@ def published_config(d: dict, target_cfg: ModelConfig, source: str) -> Eagle3Con
     archs = d.get("architectures") or []
     if archs and not set(archs) & set(ARCHITECTURES):
         raise ModelLoadError(f"{source}: architectures {archs} is not an EAGLE-3 drafter ({', '.join(ARCHITECTURES)})")
+    switched = [k for k in UNSUPPORTED_SWITCHES if d.get(k)]
+    if switched:
+        raise ModelLoadError(f"{source}: {switched[0]}: true is an EAGLE-3 variant whose layer is not supported "
+                             "(only the published EAGLE-3 layer is)")
     if d.get("num_hidden_layers", 1) != 1:
         raise ModelLoadError(f"{source}: an EAGLE-3 drafter has one decoder layer, config says "
                              f"num_hidden_layers={d.get('num_hidden_layers')}")
@@ -261,6 +279,10 @@ def load_published(path: str, target_cfg: ModelConfig) -> tuple[dict, Eagle3Conf
     lin = lambda name, out, inp: {"kernel": np.ascontiguousarray(get(name + ".weight", (out, inp)).astype(np.float32).T)}
     norm = lambda name: {"scale": get(name + ".weight", (h,)).astype(np.float32)}
     mid = {k: norm("midlayer." + k) for k in LAYER_KEYS}
+    if "midlayer.self_attn.q_norm.weight" in tensors or "Qwen3ForCausalLMEagle3" in (raw.get("architectures") or ()):
+        mid.update({k: {"scale": get(f"midlayer.self_attn.{k}.weight", (cfg.head_dim,)).astype(np.float32)}
+                    for k in QK_NORMS})
+        cfg = dataclasses.replace(cfg, qk_norm=True)
     mid.update(q_proj=lin("midlayer.self_attn.q_proj", hq, 2 * h), k_proj=lin("midlayer.self_attn.k_proj", hkv, 2 * h),
                v_proj=lin("midlayer.self_attn.v_proj", hkv, 2 * h), o_proj=lin("midlayer.self_attn.o_proj", h, hq),
                mlp={n: lin("midlayer.mlp." + n, *s) for n, s in
@@ -306,10 +328,13 @@ def export_published(params: dict, cfg: Eagle3Config, d2t, path: str, dtype: str
     tensors.update({f"midlayer.self_attn.{k}.weight": out_in(mid[k]["kernel"])
                     for k in ("q_proj", "k_proj", "v_proj", "o_proj")})
     tensors.update({f"midlayer.mlp.{k}.weight": out_in(v["kernel"]) for k, v in mid["mlp"].items()})
+    if cfg.qk_norm:
+        tensors.update({f"midlayer.self_attn.{k}.weight": mid[k]["scale"].astype(np_dtype) for k in QK_NORMS})
     if "embed_tokens" in host:
         tensors["embed_tokens.weight"] = host["embed_tokens"]["embedding"].astype(np_dtype)
     rope = dataclasses.asdict(cfg.rope_scaling)
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": cfg.hidden_size,
+    arch, mtype = ("Qwen3ForCausalLMEagle3", "qwen3") if cfg.qk_norm else ("LlamaForCausalLMEagle3", "llama")
+    config = {"architectures": [arch], "model_type": mtype, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
               "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1, "vocab_size": cfg.vocab_size,
               "draft_vocab_size": cfg.vd, "target_hidden_size": cfg.target_hidden_size,

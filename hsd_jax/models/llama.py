@@ -70,6 +70,9 @@ class DecoderLayer(nn.Module):
         self.o_proj = dense(cfg.hidden_size, False)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, dt)
         self.mlp = SwiGLU(cfg.intermediate_size, cfg.mlp_bias, dt)
+        if cfg.qk_norm:   # Qwen3: RMSNorm over each head's [Dh] before RoPE
+            self.q_norm = RMSNorm(cfg.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(cfg.rms_norm_eps, dt)
 
     def project(self, x, positions):
         """Rotated q [B, Hq, T, Dh] and k, v [B, T, Hkv, Dh] of inputs x [B, T, d]."""
@@ -77,8 +80,11 @@ class DecoderLayer(nn.Module):
         b, t, _ = x.shape
         h = self.input_layernorm(x)
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        q = apply_rope(self.q_proj(h).reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-        k = apply_rope(self.k_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+        q = self.q_proj(h).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         v = self.v_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         return q.transpose(0, 2, 1, 3), k, v
 
