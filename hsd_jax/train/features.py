@@ -19,7 +19,7 @@ import numpy as np
 from hsd_jax.api import PROMPT_BUCKET, round_up
 from hsd_jax.cache import init_cache
 from hsd_jax.models import llama
-from hsd_jax.train.data import shard_paths
+from hsd_jax.train.data import read_shard, shard_paths
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -68,8 +68,7 @@ def build_feature_cache(target, data_dir: str, cache_dir: str, batch_size: int =
         aux_out = aux_path(cache_dir, shard, layers) if layers else None
         if distributed.agree(os.path.exists(out) and (aux_out is None or os.path.exists(aux_out))):
             continue
-        with np.load(shard, allow_pickle=False) as z:
-            tokens = z["tokens"]
+        tokens = read_shard(shard)[0]
         n, length = tokens.shape
         padded = np.zeros((n, round_up(length, PROMPT_BUCKET)), np.int32)
         padded[:, :length] = tokens
