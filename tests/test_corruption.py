@@ -400,6 +400,30 @@ def test_hf_safetensors(files, tmp_path):
         attempt("hf", f"{name} {what}", str(d), load, run_target)
 
 
+def test_hf_tokenizer_json(files, tmp_path):
+    """A HF directory's tokenizer.json (here the tiny GGUF's tokenizer saved by transformers)."""
+    d = shutil.copytree(files["hf"], tmp_path / "bad")
+    files["target"].tokenizer.save_pretrained(str(d))
+    tok = d / "tokenizer.json"
+    raw = tok.read_bytes()
+    load = lambda: api.load_target(str(d), max_cache_len=64)
+    assert load().tokenizer is not None
+
+    def try_text(case, value):
+        tok.write_bytes(value)
+        attempt("hf tokenizer", case, str(d), load, run_target)
+
+    for n in sorted({0, 1, 40, len(raw) // 3, len(raw) // 2, len(raw) - 2}):
+        try_text(f"cut at {n}", raw[:n])
+    for pos, value in flips(raw, 0, len(raw), 12, 0x80):
+        try_text(f"byte {pos} flipped", value)
+    parsed = json.loads(raw)
+    for key in ("model", "added_tokens", "pre_tokenizer"):
+        try_text(f"no {key}", json.dumps({k: v for k, v in parsed.items() if k != key}).encode())
+        try_text(f"{key} a number", json.dumps(dict(parsed, **{key: 7})).encode())
+    try_text("merges of unknown tokens", json.dumps(dict(parsed, model=dict(parsed["model"], merges=["zz qq"]))).encode())
+
+
 def test_hf_sharded_with_index(files, tmp_path):
     def sharded(p):
         return shutil.copytree(files["hf_sharded"], p)
@@ -727,4 +751,4 @@ def test_summary_counts_at_least_200_damaged_files():
     lines = [f"{fmt:>14}: {sum(c.values()):4d} damaged files, {c['error']:4d} typed errors, "
              f"{c['loaded']:3d} loaded and ran" for fmt, c in COUNTS.items()]
     print("\ncorruption suite\n" + "\n".join(lines) + f"\n{'total':>14}: {total:4d}")
-    assert len(COUNTS) == 10 and total >= 200, COUNTS
+    assert len(COUNTS) == 11 and total >= 200, COUNTS
