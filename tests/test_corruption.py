@@ -415,7 +415,7 @@ def test_hf_tokenizer_json(files, tmp_path):
 
     for n in sorted({0, 1, 40, len(raw) // 3, len(raw) // 2, len(raw) - 2}):
         try_text(f"cut at {n}", raw[:n])
-    for pos, value in flips(raw, 0, len(raw), 12, 0x80):
+    for pos, value in flips(raw, 0, len(raw), 6, 0x80):   # each copy is a transformers load: a few
         try_text(f"byte {pos} flipped", value)
     parsed = json.loads(raw)
     for key in ("model", "added_tokens", "pre_tokenizer"):
