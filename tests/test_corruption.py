@@ -6,7 +6,7 @@ systematically (truncated at offsets inside the header and inside the data, byte
 both, JSON fields removed, renamed or of the wrong type, tensors of the wrong dtype or shape, an
 index naming a missing shard) and every damaged copy must either raise the format's typed error,
 one line naming the file, or (damage no check can see: tensor values, a renamed optional field)
-load and run a tiny generate without crashing. Each case runs under an alarm, so a hang fails it.
+load and run a tiny forward without crashing. Each case runs under an alarm, so a hang fails it.
 The counts per format are printed at the end (`-s`)."""
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ from hsd_jax.train.trainer import SequenceData
 from tests.helpers import jax_logits, run_cli, save_hf_dir
 
 TYPED = (ModelLoadError, InputError, ConfigError, DataError)
-# a traceback printed from a finalizer (e.g. coroutines a failed Orbax restore left unawaited)
-# would reach the user after the error line: fail the test instead
+# coroutines a failed Orbax restore leaves pending are finalized whenever its event loop goes,
+# often in a later test; `hsd` keeps them off stderr (test_orbax_damage_is_one_stderr_line_...)
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Exception ignored in. <coroutine object _read_array_index:pytest.PytestUnraisableExceptionWarning")
 COUNTS: dict[str, Counter] = {}
