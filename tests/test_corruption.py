@@ -716,6 +716,16 @@ def test_training_shards_and_feature_caches(files, tmp_path):
     try_cache("2-d", good_f[:, :, 0])
     try_cache("integer", good_f.astype(np.int16))
     try_cache("pickled objects", _pickled_npy())
+    from hsd_jax.train.data import gsm8k_questions, sharegpt_user_turns
+
+    src = tmp_path / "gsm8k.jsonl"
+    for case, text in (("no question", '{"q": "a"}\n'), ("cut", '{"question": "a"}\n{"quest'),
+                       ("a number", '{"question": 7}\n'), ("a list", "[1]\n"), ("bytes", "\udcff")):
+        src.write_text(text, errors="surrogateescape")
+        attempt("training data", f"gsm8k {case}", str(src), lambda: gsm8k_questions(str(src)))
+    for case, text in (("no list", "{}"), ("not json", "\x00\x01")):
+        src.write_text(text)
+        attempt("training data", f"sharegpt {case}", str(src), lambda: sharegpt_user_turns(str(src)))
 
 
 def test_tuned_choice_files(files, tmp_path):

