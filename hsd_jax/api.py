@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsd_jax import cpu_kernels, distributed, sharding
-from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig
-from hsd_jax.loading.errors import ModelLoadError
+from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig, from_json
+from hsd_jax.loading.errors import ModelLoadError, read_npy
 from hsd_jax.models.drafter import Drafter
 
 
@@ -256,7 +256,40 @@ def shipped_drafter(kind: str, target: Target) -> str | None:
 
 
 def _restore_params(path: str):
-    """An Orbax params checkpoint, restored onto this process's first device whatever topology saved it."""
+    """An Orbax params checkpoint, restored onto this process's first device whatever topology saved it.
+    Restored eagerly, so a damaged file (TensorStore's read errors included) is a ModelLoadError here."""
+    import gc
+    import inspect
+    import logging
+    import sys
+
+    from hsd_jax.loading.errors import one_line
+
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"drafter weights not found: {path}")
+    hook = sys.unraisablehook
+
+    def quiet(u):   # when one read fails, Orbax drops its other reads' coroutines unawaited: not the user's news
+        if not inspect.iscoroutine(u.object):
+            hook(u)
+
+    absl = logging.getLogger("absl")   # Orbax logs what it fails to parse: the error below says it once
+    level = absl.level
+    sys.unraisablehook = quiet
+    absl.setLevel(logging.CRITICAL)
+    try:
+        try:
+            return _restore_checkpoint(path)
+        except Exception as e:   # Orbax and TensorStore raise bare Exceptions on damaged files
+            failure = one_line(e)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+        absl.setLevel(level)
+    raise ModelLoadError(f"{path}: damaged Orbax checkpoint: {failure}")
+
+
+def _restore_checkpoint(path: str):
     import orbax.checkpoint as ocp
 
     with ocp.StandardCheckpointer() as ckpt:
@@ -271,22 +304,62 @@ def export_eagle3(path: str, out: str, dtype: str = "float32") -> None:
     """Write an eagle3 drafter saved by `save_drafter` (e.g. by `hsd train`) in the published
     EAGLE-3 format, loadable by the EAGLE reference, SpecForge, sglang and vLLM (and by
     `load_drafter("eagle3", out, ...)` again). No target needed."""
-    import json
-
     from hsd_jax.models import eagle3
 
-    meta, d2t_path, params_path = _drafter_paths(path)
-    if not os.path.isfile(meta):
-        raise ModelLoadError(f"not a drafter directory (no drafter.json): {path}")
-    with open(meta) as f:
-        info = json.load(f)
-    if info.get("kind") != "eagle3":
-        raise ModelLoadError(f"{path} holds a {info.get('kind')!r} drafter; only eagle3 drafters export to the "
-                             "EAGLE-3 format")
     if dtype not in ("float32", "float16"):
         raise ConfigError(f"export dtype must be float32 or float16, got {dtype!r}")
-    cfg = eagle3.Eagle3Config(**info["config"])
-    eagle3.export_published(_restore_params(params_path), cfg, np.load(d2t_path, allow_pickle=False), out, dtype)
+    info = _drafter_info(path, "eagle3")
+    _, d2t_path, params_path = _drafter_paths(path)
+    cfg = _drafter_config(path, info, lambda raw: from_json(eagle3.Eagle3Config, raw))
+    eagle3.export_published(_restore_params(params_path), cfg, read_npy(d2t_path), out, dtype)
+
+
+def _drafter_info(path: str, kind: str) -> dict:
+    """drafter.json of a drafter directory, checked to hold a `kind` drafter and its config object."""
+    from hsd_jax.loading.hf import read_json
+
+    meta = _drafter_paths(path)[0]
+    if not os.path.isfile(meta):
+        raise ModelLoadError(f"not a drafter directory (no drafter.json): {path}")
+    info = read_json(meta)
+    if info.get("kind") != kind:
+        raise ModelLoadError(f"{path} holds a {info.get('kind')!r} drafter, not {kind!r}")
+    if not isinstance(info.get("config"), dict):
+        raise ModelLoadError(f"{meta}: no 'config' object (drafter.json holds the drafter's kind and config)")
+    return info
+
+
+def _drafter_config(path: str, info: dict, make, **overrides):
+    """The drafter config `make` builds from drafter.json's (type-checked) fields."""
+    try:
+        return make(dict(info["config"], **overrides))
+    except (ConfigError, TypeError) as e:
+        raise ModelLoadError(f"{_drafter_paths(path)[0]}: {e}") from None
+
+
+_EXPECTED_PARAMS: dict = {}   # (drafter kind, config, target config) -> expected weights, traced once
+
+
+def _check_restored(params, dk, cfg, target, source: str) -> None:
+    """Refuse restored weights whose tree, shapes or kinds (float / integer) differ from those the
+    config implies (a damaged or foreign checkpoint), before anything compiles over them. The
+    expected ones come from the kind's random init, traced without computing it."""
+    describe = lambda tree: {jax.tree_util.keystr(k): (tuple(v.shape), bool(jnp.issubdtype(v.dtype, jnp.floating)))
+                             for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    key = (dk, cfg, target.config)
+    if key not in _EXPECTED_PARAMS:
+        overrides = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "kind"}
+        _EXPECTED_PARAMS[key] = describe(jax.eval_shape(lambda: dk.random(target, 0, **overrides)[0]))
+    have, want = describe(params), _EXPECTED_PARAMS[key]
+    for name in sorted(set(have) | set(want)):
+        if name not in have:
+            raise ModelLoadError(f"{source}: weights lack {name}")
+        if name not in want:
+            raise ModelLoadError(f"{source}: unexpected weights {name}")
+        if have[name] != want[name]:
+            (hs, hf), (ws, wf) = have[name], want[name]
+            raise ModelLoadError(f"{source}: weights {name} are {'float' if hf else 'integer'} {hs}, the config "
+                                 f"implies {'float' if wf else 'integer'} {ws}")
 
 
 def load_drafter(kind: str, path: str | None = None, *, target: Target, random_init: bool = False,
@@ -301,8 +374,6 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
     with `random_init=True` (for tests and engine checks; acceptance will be low). `config`
     overrides fields of the stored (or default) drafter config.
     """
-    import json
-
     from hsd_jax import methods
     from hsd_jax.models.layers import jnp_dtype
 
@@ -320,24 +391,22 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         if config:
             cfg = dataclasses.replace(cfg, **config)
     elif path is not None:
-        meta, d2t_path, params_path = _drafter_paths(path)
-        if not os.path.isfile(meta):
-            raise ModelLoadError(f"not a drafter directory (no drafter.json): {path}")
-        with open(meta) as f:
-            info = json.load(f)
-        if info.get("kind") != kind:
-            raise ModelLoadError(f"{path} holds a {info.get('kind')!r} drafter, not {kind!r}")
-        try:
-            cfg = dk.config(dict(info["config"], **config))
-        except TypeError as e:
-            raise ModelLoadError(f"{meta}: {e}") from None
-        d2t = np.load(d2t_path, allow_pickle=False) if dk.has_draft_vocab and os.path.isfile(d2t_path) else None
+        _, d2t_path, params_path = _drafter_paths(path)
+        cfg = _drafter_config(path, _drafter_info(path, kind), dk.config, **config)
+        d2t = read_npy(d2t_path) if dk.has_draft_vocab and os.path.isfile(d2t_path) else None
         params = {} if dk.built_in and not os.path.exists(params_path) else _restore_params(params_path)
     else:
         params, cfg, d2t = dk.random(target, seed, **config)
     compute = jnp_dtype(target.config)  # drafters compute in the target's dtype
     params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    params, cfg, d2t = dk.finish(params, cfg, d2t, target)
+    try:
+        params, cfg, d2t = dk.finish(params, cfg, d2t, target)
+    except (ConfigError, ModelLoadError) as e:   # a drafter read from files: the message names them
+        if path is None or path in str(e):
+            raise
+        raise ModelLoadError(f"{path}: {e}") from None
+    if path is not None and published is None:
+        _check_restored(params, dk, cfg, target, params_path)
     return Drafter(kind, params, cfg, d2t, path)
 
 

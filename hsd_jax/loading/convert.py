@@ -61,6 +61,7 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str
     its device (`sharding.shard_params`) without a full copy on one device first."""
     dtype = jnp_dtype(cfg)
     asarray = (lambda a, dt: np.asarray(a, dt)) if host else jnp.asarray
+    get(f"model.layers.{cfg.num_layers - 1}.input_layernorm.weight")   # a damaged layer count fails here, at once
     shapes = expected_shapes(cfg)
 
     def fetch(name):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from hsd_jax.cache import KVCache, advance, at_offset, init_cache
-from hsd_jax.config import ConfigError, ModelConfig, RopeScaling
+from hsd_jax.config import ConfigError, ModelConfig, from_json
 from hsd_jax.methods.base import Draft, DrafterKind, Method
 from hsd_jax.models import llama
 from hsd_jax.models.layers import jnp_dtype
@@ -67,9 +67,7 @@ def update(rnd, state: State, drft: Draft, acc, vout, live):
 
 
 def _config(raw: dict) -> ModelConfig:
-    if isinstance(raw.get("rope_scaling"), dict):
-        raw = dict(raw, rope_scaling=RopeScaling(**raw["rope_scaling"]))
-    return ModelConfig(**raw)
+    return from_json(ModelConfig, raw)
 
 
 def _random(target, seed: int, **overrides):

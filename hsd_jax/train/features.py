@@ -26,7 +26,7 @@ from hsd_jax.cache import init_cache
 from hsd_jax.config import ConfigError
 from hsd_jax.models import llama
 from hsd_jax.models.layers import matmul_inputs
-from hsd_jax.train.data import DataError, has_target_labels, shard_paths
+from hsd_jax.train.data import DataError, has_target_labels, read_shard, shard_paths
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "matmul_dtype", "with_labels"))
@@ -125,8 +125,7 @@ def build_feature_cache(target, data_dir: str, cache_dir: str, batch_size: int =
         lab_out = label_path(cache_dir, shard) if has_target_labels(shard) else None
         if distributed.agree(all(os.path.exists(p) for p in cache_files(cache_dir, shard, layers))):
             continue
-        with np.load(shard, allow_pickle=False) as z:
-            tokens = z["tokens"]
+        tokens = read_shard(shard)[0]
         n, length = tokens.shape
         padded = np.zeros((n, round_up(length, PROMPT_BUCKET)), np.int32)
         padded[:, :length] = tokens

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from hsd_jax.config import ConfigError
+from hsd_jax.loading.errors import reading
 from hsd_jax.models.layers import matmul_inputs
 from hsd_jax.train import losses
 from hsd_jax.train.data import DataError, has_target_labels, load_shards, shard_paths, shard_rows
@@ -143,6 +144,20 @@ class TrainConfig:
         return cls(**raw)
 
 
+def cached_features(path: str, rows, ndim: int, kind=np.floating) -> np.ndarray:
+    """A feature (or label: kind np.integer) cache file memory-mapped, checked against its shard's rows
+    at load (an array of `kind` [rows, >= longest row, ...] of `ndim` dimensions), so a damaged cache
+    is a DataError here and never a short read in the middle of training."""
+    with reading(path, "damaged feature cache (delete it to rebuild)", DataError):
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    longest = max((len(t) for t, _ in rows), default=0)
+    if arr.ndim != ndim or not np.issubdtype(arr.dtype, kind) or arr.shape[0] != len(rows) \
+            or arr.shape[1] < longest:
+        raise DataError(f"{path}: damaged feature cache (delete it to rebuild): {arr.dtype} {arr.shape} for "
+                        f"{len(rows)} rows of up to {longest} tokens")
+    return arr
+
+
 class SequenceData:
     """Token sequences with their cached features, split into train and held-out rows.
 
@@ -158,14 +173,14 @@ class SequenceData:
         for data_dir in [data_dirs] if isinstance(data_dirs, str) else data_dirs:
             first, own_labels = len(self.rows), False
             for shard in shard_paths(data_dir):
-                feats = None if cache_dir is None else np.load(feature_path(cache_dir, shard), mmap_mode="r")
+                rows = shard_rows(shard)
+                feats = None if cache_dir is None else cached_features(feature_path(cache_dir, shard), rows, 3)
                 aux = labels = None
                 if cache_dir is not None and feature_layers:
-                    aux = np.load(aux_path(cache_dir, shard, feature_layers), mmap_mode="r")
+                    aux = cached_features(aux_path(cache_dir, shard, feature_layers), rows, 4)
                 if cache_dir is not None and has_target_labels(shard):
-                    labels, own_labels = np.load(label_path(cache_dir, shard), mmap_mode="r"), True
-                self.rows.extend((tokens, feats, i, plen, aux, labels)
-                                 for i, (tokens, plen) in enumerate(shard_rows(shard)))
+                    labels, own_labels = cached_features(label_path(cache_dir, shard), rows, 2, np.integer), True
+                self.rows.extend((tokens, feats, i, plen, aux, labels) for i, (tokens, plen) in enumerate(rows))
             count = len(self.rows) - first
             if count < 2:
                 raise DataError(f"{data_dir}: need at least 2 sequences, found {count}")
@@ -297,8 +312,9 @@ def run_vocab(cfg: TrainConfig, target, data: SequenceData, init=None) -> tuple[
 
     path = os.path.join(cfg.out_dir, "draft_vocab.npz")
     if distributed.agree(os.path.isfile(path)):   # process 0's view: every process takes the same branch
-        with np.load(path, allow_pickle=False) as z:
-            return z["d2t"].astype(np.int32), float(z["feature_rms"])
+        with reading(path, "damaged draft vocabulary (delete it to rebuild)", DataError):
+            with np.load(path, allow_pickle=False) as z:
+                return z["d2t"].astype(np.int32), float(z["feature_rms"])
     if init is not None:
         d2t = np.asarray(init.d2t, np.int32)
         rms = float(getattr(init.config, "feature_rms", 0.0)) or round(feature_rms(data), 3)  # eagle3 keeps none
