@@ -14,7 +14,7 @@ import pytest
 from hsd_jax import api, compilation
 from hsd_jax.api import generate, load_drafter
 from hsd_jax.loading import weights_cache
-from tests.helpers import tiny_smollm2_gguf, tiny_target
+from tests.helpers import run_cli, tiny_smollm2_gguf, tiny_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -146,3 +146,19 @@ def test_a_corrupt_or_stale_weights_cache_is_rebuilt(tmp_path, monkeypatch):
     assert same(api.load_target(model, tokenizer=False).params)
     os.utime(model, ns=(1, 1))                                       # the source changed: a new key
     assert weights_cache.cache_file(model) != cached
+
+
+def test_hsd_warmup_then_generate_compiles_nothing_and_verbose_says_where_time_went(tmp_path):
+    model = tiny_smollm2_gguf(tmp_path / "model.gguf", hidden=32, heads=4, kv_heads=2)
+    api._COMPILED.clear()
+    warm = run_cli("warmup", "--model", model, "--method", "lookup", "--max-cache-len", "32")
+    assert warm.returncode == 0, warm.stderr
+    report = json.loads(warm.stdout.strip().splitlines()[-1])
+    assert report["programs"] == len(api.prompt_buckets(32)) + 1 == 3
+    assert report["compilation_cache"] == os.environ["JAX_COMPILATION_CACHE_DIR"]
+    gen = run_cli("generate", "--model", model, "--method", "lookup", "--max-cache-len", "32",
+                  "--prompt", "Give me three tips.", "--max-new-tokens", "5", "--verbose")
+    assert gen.returncode == 0, gen.stderr
+    assert "compile 0.00 s" in gen.stderr and "prefill" in gen.stderr and "decode" in gen.stderr
+    bad = run_cli("warmup", "--model", model, "--batch-size", "0")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --batch-size")
