@@ -37,6 +37,12 @@ def init_cache(num_layers: int, batch: int, num_kv_heads: int, capacity: int, he
     return constrain_cache(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32)))
 
 
+def widen(cache: KVCache, capacity: int) -> KVCache:
+    """The same cache with its slot axis padded (empty slots) to `capacity`."""
+    pad = ((0, 0),) * 3 + ((0, capacity - cache.capacity), (0, 0))
+    return constrain_cache(cache.replace(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad)))
+
+
 def write_layer(cache_arr: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
     """Write new [B, N, H_kv, D_h] entries of one layer at slots lengths[b] + i (out of range: dropped).
 

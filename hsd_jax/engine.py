@@ -19,10 +19,9 @@ import jax.numpy as jnp
 
 from hsd_jax import methods
 from hsd_jax import tree as tree_lib
-from hsd_jax.cache import KVCache, advance, compact, init_cache
+from hsd_jax.cache import KVCache, advance, compact
 from hsd_jax.config import ConfigError, ModelConfig, SamplingConfig
 from hsd_jax.models import drafter, llama
-from hsd_jax.models.layers import jnp_dtype
 from hsd_jax.sampling import sample
 from hsd_jax.tree import Tree
 from hsd_jax.verify import Accepted, accept, accept_greedy, emitted_tokens
@@ -79,9 +78,7 @@ def pad_to_capacity(prompt_tokens, capacity: int):
 def _prefill_root(params, cfg: ModelConfig, prompt_tokens, prompt_lens, key, sampling: SamplingConfig,
                   capacity: int):
     """The prompts through the target from an empty cache of `capacity` slots, and the first token."""
-    b = prompt_tokens.shape[0]
-    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, jnp_dtype(cfg))
-    logits, out = prefill(params, cfg, prompt_tokens, prompt_lens, cache)
+    logits, out = llama.prefill_new_cache(params, cfg, prompt_tokens, prompt_lens, capacity)
     key, sub = jax.random.split(key)
     return out, sample(logits, sub, sampling), key
 
