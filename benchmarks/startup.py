@@ -50,6 +50,7 @@ def in_process(methods: list[str], max_new_tokens: int, warmup: bool) -> dict:
             s = r.stats
             rows.append({"method": m, "prompt_tokens": s["prompt_tokens"], "wall_s": round(wall, 3),
                          "prefill_s": round(s["prefill_seconds"], 3), "decode_s": round(s["decode_seconds"], 3),
+                         "wall_over_run": round(wall / (s["prefill_seconds"] + s["decode_seconds"]), 3),
                          "wall_over_decode": round(wall / s["decode_seconds"], 3),
                          "compile_s": round(s["compile_seconds"], 2), "new_tokens": s["new_tokens"]})
             print(json.dumps(rows[-1]), flush=True)
