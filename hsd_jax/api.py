@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hsd_jax import cpu_kernels, distributed, sharding
+from hsd_jax import compilation, cpu_kernels, distributed, sharding
 from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig, from_json
 from hsd_jax.loading.errors import ModelLoadError, read_npy
 from hsd_jax.models.drafter import Drafter
@@ -63,6 +63,7 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
 
     if int(max_cache_len) <= 0:
         raise ConfigError(f"max_cache_len must be positive, got {max_cache_len}")
+    compilation.enable()
     overrides = dict(dtype=dtype or default_dtype(), attention_impl=attention_impl,
                      feature_layers=tuple(feature_layers))
     if model == DEFAULT_MODEL:
@@ -86,11 +87,35 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
     return Target(params, cfg, tok, int(max_cache_len), model)
 
 
-PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this many tokens (one compile per multiple)
+PROMPT_BUCKET = 16  # the smallest prompt bucket: prompts are right-padded to PROMPT_BUCKET x 2^k tokens
 
 
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def cache_capacity(target: "Target") -> int:
+    """The KV cache slots of every decode program for this target (`max_cache_len`, a multiple
+    of 16): fixed per target, so no prompt length or `max_new_tokens` recompiles the loop."""
+    return round_up(target.max_cache_len, 16)
+
+
+def prompt_bucket_length(n: int, smallest: int = PROMPT_BUCKET, capacity: int | None = None) -> int:
+    """The padded length of a prompt of n tokens: the least smallest x 2^k >= n (at most `capacity`),
+    so prompts of 33-185 tokens share 3 prefill programs at a bucket of 16 and waste under half."""
+    length = smallest
+    while length < n:
+        length *= 2
+    return length if capacity is None else min(length, capacity)
+
+
+def prompt_buckets(capacity: int, smallest: int = PROMPT_BUCKET, longest: int | None = None) -> list[int]:
+    """Every padded prompt length a target of this capacity prefills (up to `longest` tokens' bucket)."""
+    top = prompt_bucket_length(min(longest or capacity, capacity), smallest, capacity)
+    out = [min(smallest, capacity)]
+    while out[-1] < top:
+        out.append(min(out[-1] * 2, capacity))
+    return out
 
 
 def _as_list(prompts) -> list:
@@ -130,9 +155,11 @@ def encode_prompts(target: Target, prompts, chat: bool) -> list[list[int]]:
     return ids
 
 
-def pad_prompts(ids: list[list[int]], multiple: int = PROMPT_BUCKET) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad to a bucketed length (limits recompiles); returns tokens [B, T] and lengths [B]."""
-    t = round_up(max(len(p) for p in ids), multiple)
+def pad_prompts(ids: list[list[int]], smallest: int = PROMPT_BUCKET,
+                capacity: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad to the longest prompt's bucket (`prompt_bucket_length`: one prefill program per
+    bucket); returns tokens [B, T] and lengths [B]."""
+    t = prompt_bucket_length(max(len(p) for p in ids), smallest, capacity)
     tokens = np.zeros((len(ids), t), np.int32)
     for i, p in enumerate(ids):
         tokens[i, : len(p)] = p
@@ -182,10 +209,18 @@ def serving_drafter_params(drafter: Drafter, target: Target):
     """A feature drafter's (hsd, eagle) params for decoding beside `serving_params(target)`: with
     its layers' packed weights and its draft-vocab head packed (`packed_kernels["draft_head"]`,
     read through `TargetView.packed_head`), built once per drafter and target, when the target is
-    served with the CPU kernels and the drafter is f32; else as loaded."""
+    served with the CPU kernels and the drafter is f32; sd's draft LM with its layers packed;
+    else as loaded."""
     from hsd_jax.models.drafter import DrafterConfig, pack_draft_head
 
     params = drafter.params
+    if (isinstance(drafter.config, ModelConfig) and drafter.config.dtype == "float32"
+            and target.config.dtype == "float32" and cpu_kernels.enabled()):
+        # sd's draft LM: its layers through the kernels as the target's, so its attention reads the
+        # committed slots only (XLA's scores every slot of the cache capacity)
+        if drafter._packed is None or drafter._packed[0] is not params:
+            drafter._packed = (params, None, cpu_kernels.pack_layers(params["layers"]))
+        return dict(params, packed_kernels=drafter._packed[2])
     if (not isinstance(drafter.config, DrafterConfig) or target.config.dtype != "float32"
             or params["layers"]["mlp"]["down_proj"]["kernel"].dtype != jnp.float32 or not cpu_kernels.enabled()):
         return params
@@ -199,8 +234,9 @@ def serving_drafter_params(drafter: Drafter, target: Target):
 
 
 def compiled(fn, args, static: dict, options: dict | None = None):
-    """AOT-compile `fn` for these argument shapes once (with XLA compiler `options`); returns
-    (executable, compile seconds now)."""
+    """AOT-compile `fn` for these argument shapes once per process (with XLA compiler `options`;
+    from the persistent compilation cache when an earlier process compiled it, `compilation`);
+    returns (executable, compile seconds now)."""
     shapes = jax.tree.map(lambda a: (np.shape(a), str(getattr(a, "dtype", type(a))),
                                      str(getattr(a, "sharding", None))), args)
     options = options or {}
@@ -208,6 +244,7 @@ def compiled(fn, args, static: dict, options: dict | None = None):
            str(jax.sharding.get_abstract_mesh()), tuple(sorted(options.items())))
     if key in _COMPILED:
         return _COMPILED[key], 0.0
+    compilation.enable()
     t0 = time.perf_counter()
     exe = fn.lower(*args, **static).compile(compiler_options=options or None)
     _COMPILED[key] = exe
@@ -422,11 +459,147 @@ def _shard_args(args, mesh, target: Target, drafter, batch: int):
             sharding.replicate(key, mesh))
 
 
+def _method_spec(target: Target, method: str, drafter, tuned: bool, options: dict):
+    """The `engine.SpecConfig` (None for ar) and drafter a request for `method` runs with."""
+    from hsd_jax import engine, methods
+
+    if method == "ar":
+        if options:
+            raise InputError(f"unknown options for method 'ar': {', '.join(sorted(options))}")
+        return None, None
+    m = methods.get(method)
+    if drafter is None and m.drafter.built_in:
+        drafter = load_drafter(method, target=target)
+    if drafter is None:
+        raise InputError(f"method {method!r} needs a drafter: hsd_jax.load_drafter({method!r}, ...)")
+    if drafter.kind != method:
+        raise InputError(f"method {method!r} needs a {method!r} drafter, got a {drafter.kind!r} one")
+    known = {f.name for f in dataclasses.fields(engine.SpecConfig)} - {"method"}
+    unknown = set(options) - known
+    if unknown:
+        raise InputError(f"unknown options for method {method!r}: {', '.join(sorted(unknown))}")
+    if tuned:
+        from hsd_jax import tuning
+
+        options = dict(tuning.tuned_options(method, target, drafter), **options)
+    spec = engine.SpecConfig(method=method, **options)
+    m.check(drafter, spec)
+    return spec, drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The two jitted programs a request runs (`hsd_jax.engine`), with their static arguments:
+
+        prefill(*weights, tokens [B, T], lengths [B], key, **prefill_static) -> engine.Prefilled
+            one program per padded prompt length T (`prompt_buckets`);
+        decode(*weights, prefilled, max_new_tokens (int32 scalar), **decode_static) -> output
+            one program per (model, method, spec, sampling, batch, capacity).
+
+    weights: (target params,) for ar, (target params, drafter params, d2t) otherwise."""
+
+    weights: tuple
+    prefill: Any
+    decode: Any
+    prefill_static: dict
+    decode_static: dict
+    options: dict       # XLA compiler options (`compile_options`)
+    capacity: int
+
+
+def programs(target: Target, spec, drafter, sampling: SamplingConfig, mesh=None) -> Programs:
+    """The prefill and decode programs of `generate` for this target, method spec (None: ar),
+    drafter and sampling."""
+    from hsd_jax import engine
+
+    capacity = cache_capacity(target)
+    tparams = serving_params(target) if mesh is None else target.params
+    if spec is None:
+        return Programs((tparams,), engine.ar_prefill, engine.ar_decode,
+                        dict(cfg=target.config, sampling=sampling, capacity=capacity),
+                        dict(cfg=target.config, sampling=sampling), compile_options(target.params), capacity)
+    tcfg = target.config
+    if getattr(drafter.config, "feature_layers", ()):  # the drafter reads these target layers' outputs
+        tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
+    d2t = np.zeros((1,), np.int32) if drafter.d2t is None else drafter.d2t
+    dparams = serving_drafter_params(drafter, target) if mesh is None else drafter.params
+    static = dict(tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling)
+    return Programs((tparams, dparams, d2t), engine.spec_prefill, engine.spec_decode,
+                    dict(static, capacity=capacity), static, compile_options(target.params), capacity)
+
+
+def _run(progs: Programs, tokens, lengths, key, max_new_tokens: int, mesh, target: Target, drafter) -> tuple:
+    """Prefill then decode (each compiled once per shape, `compiled`); returns (output on the host,
+    {compile, prefill, decode: seconds})."""
+    args = (*progs.weights, tokens, lengths, key)
+    bound = np.int32(max_new_tokens)
+    if mesh is not None:
+        args = _shard_args(args, mesh, target, drafter, len(tokens))
+        bound = sharding.replicate(bound, mesh)
+    n = len(progs.weights)
+    with sharding.use_mesh(mesh):
+        prefill, compile_p = compiled(progs.prefill, args, progs.prefill_static, progs.options)
+        t0 = time.perf_counter()
+        pre = jax.block_until_ready(prefill(*args))
+        prefill_s = time.perf_counter() - t0
+        dargs = (*args[:n], pre, bound)
+        decode, compile_d = compiled(progs.decode, dargs, progs.decode_static, progs.options)
+        t0 = time.perf_counter()
+        out = sharding.fetch(decode(*dargs))
+        decode_s = time.perf_counter() - t0
+    return out, {"compile": compile_p + compile_d, "prefill": prefill_s, "decode": decode_s}
+
+
+def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int = 1, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, mesh=None, prompt_bucket: int = PROMPT_BUCKET,
+           max_prompt_len: int | None = None, tuned: bool = False, progress: bool = True, **options) -> dict:
+    """Compile ahead of serving what `generate` with these arguments will run: the prefill program
+    of every prompt bucket (up to `max_prompt_len` tokens' bucket; default the cache capacity) and
+    the decode loop, which then serves every prompt length and `max_new_tokens`. Programs land in
+    this process's table and in the persistent compilation cache (`hsd_jax.compilation`), so a
+    later process loads them instead of compiling. Returns {"programs": n, "compile_seconds": s}."""
+    from tqdm import tqdm
+
+    from hsd_jax import distributed
+
+    if batch_size < 1:
+        raise InputError(f"batch_size must be >= 1, got {batch_size}")
+    if prompt_bucket < 1:
+        raise InputError(f"prompt_bucket must be >= 1, got {prompt_bucket}")
+    sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
+    spec, drafter = _method_spec(target, method, drafter, tuned, options)
+    progs = programs(target, spec, drafter, sampling, mesh)
+    buckets = prompt_buckets(progs.capacity, prompt_bucket, max_prompt_len)
+    bar = tqdm(total=len(buckets) + 1, desc=f"warmup {method}", unit="program",
+               disable=not (progress and distributed.is_primary()))
+    total = 0.0
+    key = jax.random.key(0)
+    for i, t in enumerate(buckets):
+        tokens, lengths = np.zeros((batch_size, t), np.int32), np.ones((batch_size,), np.int32)
+        if i == 0:   # the smallest bucket runs, its output shaping the decode loop's arguments
+            _, secs = _run(progs, tokens, lengths, key, 1, mesh, target, drafter)
+            total += secs["compile"]
+            bar.update(2)
+            continue
+        args = (*progs.weights, tokens, lengths, key)
+        if mesh is not None:
+            args = _shard_args(args, mesh, target, drafter, batch_size)
+        with sharding.use_mesh(mesh):
+            total += compiled(progs.prefill, args, progs.prefill_static, progs.options)[1]
+        bar.update(1)
+    bar.close()
+    return {"programs": len(buckets) + 1, "compile_seconds": total}
+
+
 def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False, method: str = "ar",
              drafter=None, mesh=None, prompt_bucket: int = PROMPT_BUCKET, tuned: bool = False,
              **options) -> list[GenerationResult]:
-    """Generate a continuation per prompt with one jitted decode loop; one result per prompt.
+    """Generate a continuation per prompt; one result per prompt.
+
+    Two compiled programs run (`programs`): a prefill per prompt bucket, then one decode loop
+    per method, spec, batch size and target (its cache capacity is `max_cache_len`), whatever
+    the prompt lengths and `max_new_tokens`. `warmup` compiles them ahead of time.
 
     mesh: a `hsd_jax.sharding.make_mesh(data, model)` mesh to run on several devices: params
     are placed into their shards (heads / MLP / vocab over `model`), prompts and KV caches over
@@ -436,35 +609,12 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
     tuned: take the tree (and hsd reuse) `hsd tune` chose for this hardware, target and drafter
     (`hsd_jax.tuning`); explicit options still win; ignored by ar.
 
-    prompt_bucket: prompts are right-padded to a multiple of this many tokens; each padded
-    length compiles once, so a larger bucket trades a little prefill for fewer compiles
-    (accelerators, where a compile costs more than the padding).
+    prompt_bucket: the smallest prompt bucket: prompts are right-padded to prompt_bucket x 2^k
+    tokens (at most the cache capacity), each padded length one prefill program.
     """
-    from hsd_jax import engine, methods
-
     check_request(prompts, max_new_tokens, prompt_bucket)
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
-    spec = None
-    if method != "ar":
-        m = methods.get(method)
-        if drafter is None and m.drafter.built_in:
-            drafter = load_drafter(method, target=target)
-        if drafter is None:
-            raise InputError(f"method {method!r} needs a drafter: hsd_jax.load_drafter({method!r}, ...)")
-        if drafter.kind != method:
-            raise InputError(f"method {method!r} needs a {method!r} drafter, got a {drafter.kind!r} one")
-        known = {f.name for f in dataclasses.fields(engine.SpecConfig)} - {"method"}
-        unknown = set(options) - known
-        if unknown:
-            raise InputError(f"unknown options for method {method!r}: {', '.join(sorted(unknown))}")
-        if tuned:
-            from hsd_jax import tuning
-
-            options = dict(tuning.tuned_options(method, target, drafter), **options)
-        spec = engine.SpecConfig(method=method, **options)
-        m.check(drafter, spec)
-    elif options:
-        raise InputError(f"unknown options for method 'ar': {', '.join(sorted(options))}")
+    spec, drafter = _method_spec(target, method, drafter, tuned, options)
     ids = encode_prompts(target, prompts, chat)
     longest = max(len(p) for p in ids)
     slack = 0 if spec is None else spec.cache_slack
@@ -472,30 +622,10 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         raise InputError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens}"
                          + (f" + draft tree {slack}" if slack else "")
                          + f" exceeds the cache capacity max_cache_len={target.max_cache_len}")
-    fits = round_up(longest, prompt_bucket) + max_new_tokens + slack <= target.max_cache_len
-    tokens, lengths = pad_prompts(ids, prompt_bucket if fits else PROMPT_BUCKET)  # a bucket must not overflow the cache
-    capacity = min(round_up(tokens.shape[1] + max_new_tokens + slack, 128), round_up(target.max_cache_len, 16))
-    key = jax.random.key(seed)
-    tparams = serving_params(target) if mesh is None else target.params
-    if spec is None:
-        fn, args = engine.ar_generate, (tparams, tokens, lengths, key)
-        static = dict(cfg=target.config, sampling=sampling, max_new_tokens=int(max_new_tokens), capacity=capacity)
-    else:
-        tcfg = target.config
-        if getattr(drafter.config, "feature_layers", ()):  # the drafter reads these target layers' outputs
-            tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
-        d2t = np.zeros((1,), np.int32) if drafter.d2t is None else drafter.d2t
-        dparams = serving_drafter_params(drafter, target) if mesh is None else drafter.params
-        fn, args = engine.spec_generate, (tparams, dparams, d2t, tokens, lengths, key)
-        static = dict(tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling,
-                      max_new_tokens=int(max_new_tokens), capacity=capacity)
-    if mesh is not None:
-        args = _shard_args(args, mesh, target, drafter if spec is not None else None, len(ids))
-    with sharding.use_mesh(mesh):
-        run, compile_s = compiled(fn, args, static, compile_options(target.params))
-        t0 = time.perf_counter()
-        out = sharding.fetch(run(*args))
-        elapsed = time.perf_counter() - t0
+    progs = programs(target, spec, drafter, sampling, mesh)
+    tokens, lengths = pad_prompts(ids, prompt_bucket, progs.capacity)
+    out, secs = _run(progs, tokens, lengths, jax.random.key(seed), max_new_tokens, mesh, target, drafter)
+    elapsed = secs["prefill"] + secs["decode"]
     results = []
     for i in range(len(ids)):
         n = int(out.num_tokens[i])
@@ -507,7 +637,8 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
             dsteps = int(out.stats.drafter_steps[i])
         stats = {"method": method, "new_tokens": n, "prompt_tokens": len(ids[i]), "target_forwards": rounds + 1,
                  "rounds": rounds, "tau": (n - 1) / rounds if rounds else 1.0, "drafter_forwards": dsteps,
-                 "accepted_hist": hist, "seconds": elapsed, "compile_seconds": compile_s,
+                 "accepted_hist": hist, "seconds": elapsed, "compile_seconds": secs["compile"],
+                 "prefill_seconds": secs["prefill"], "decode_seconds": secs["decode"],
                  "tokens_per_s": n / elapsed if elapsed > 0 else 0.0}
         if spec is not None:
             stats.update(reuse=spec.reuse, tree_nodes=spec.tree_nodes, tree_depth=spec.depth, tree_top_k=spec.tree_top_k,

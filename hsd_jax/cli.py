@@ -40,6 +40,8 @@ def _add_generate(sub):
                    help="use an untrained random drafter (engine checks only: acceptance is low)")
     _add_tree_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    p.add_argument("--verbose", action="store_true",
+                   help="print where the time went (load, compile, prefill, decode) on stderr")
     _add_mesh_arg(p)
     p.set_defaults(func=cmd_generate)
 
@@ -105,6 +107,19 @@ def _check_model(model: str) -> None:
         raise UsageError(f"unknown model {model!r}: use smollm2-135m, a .gguf file or a model directory")
 
 
+def _process_seconds() -> float:
+    """Wall seconds since this process started (Linux /proc; else since the clock's origin)."""
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter()
+
+
 def _check_generate_args(a) -> dict:
     """Everything checkable before the model loads, by the checks `generate` itself uses."""
     from hsd_jax.api import check_request
@@ -122,6 +137,9 @@ def _check_generate_args(a) -> dict:
 
 
 def cmd_generate(a) -> int:
+    import time
+
+    start = time.perf_counter()
     options = _check_generate_args(a)
     mesh = _mesh(a)
     from hsd_jax.api import generate, load_drafter, load_target
@@ -131,11 +149,20 @@ def cmd_generate(a) -> int:
     drafter = None
     if a.method != "ar":
         drafter = load_drafter(a.method, a.drafter, target=target, random_init=a.random_drafter)
+    loaded = time.perf_counter()
     res = generate(target, [a.prompt], max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                    top_k=a.sampling_top_k, top_p=a.top_p, seed=a.seed, chat=a.chat, method=a.method,
                    drafter=drafter, mesh=mesh, **options)[0]
     from hsd_jax.distributed import is_primary
 
+    if a.verbose and is_primary():
+        s, done = res.stats, time.perf_counter()
+        other = done - loaded - s["compile_seconds"] - s["prefill_seconds"] - s["decode_seconds"]
+        print(f"[time: load {loaded - start:.2f} s, compile {s['compile_seconds']:.2f} s, prefill "
+              f"{s['prefill_seconds']:.3f} s ({s['prompt_tokens']} tokens), decode {s['decode_seconds']:.3f} s "
+              f"({s['new_tokens']} tokens, {s['new_tokens'] / max(s['decode_seconds'], 1e-9):.1f} tok/s), "
+              f"other {other:.2f} s; {done - start:.2f} s since the command started, "
+              f"{_process_seconds():.2f} s since the process did (Python and JAX imports)]", file=sys.stderr)
     if not is_primary():   # multi-process: process 0 prints
         return 0
     if a.json:
@@ -148,6 +175,56 @@ def cmd_generate(a) -> int:
         print(res.text)
         print(f"[{res.stats['new_tokens']} tokens, {res.stats['tokens_per_s']:.1f} tok/s, "
               f"compile {res.stats['compile_seconds']:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def _add_warmup(sub):
+    p = sub.add_parser("warmup", help="compile a method's prefill and decode programs ahead of serving "
+                                      "(kept in the persistent compilation cache for later processes)")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a .gguf file or a HF directory")
+    p.add_argument("--method", default="ar", choices=list(methods.METHODS))
+    p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
+    p.add_argument("--random-drafter", action="store_true", help="an untrained random drafter (engine checks)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help="compile the prompt buckets up to this many tokens (default: up to --max-cache-len)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) and sampling compile apart")
+    p.add_argument("--sampling-top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-cache-len", type=int, default=2048)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--attention-impl", choices=["auto", "pallas", "reference"], default="auto")
+    p.add_argument("--reuse", default=None, choices=list(REUSE_POLICIES))
+    _add_tree_args(p)
+    _add_mesh_arg(p)
+    p.set_defaults(func=cmd_warmup)
+
+
+def cmd_warmup(a) -> int:
+    for name in ("batch_size", "max_cache_len"):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.max_prompt_len is not None and a.max_prompt_len < 1:
+        raise UsageError(f"--max-prompt-len must be >= 1, got {a.max_prompt_len}")
+    SamplingConfig(a.temperature, a.sampling_top_k, a.top_p)
+    _check_model(a.model)
+    if a.drafter is not None and not os.path.isdir(a.drafter):
+        raise UsageError(f"drafter directory not found: {a.drafter}")
+    if a.method == "ar" and (a.drafter or a.tuned or a.reuse):
+        raise UsageError("--drafter, --tuned and --reuse need a speculative --method")
+    options = _spec_options(a, a.method)
+    mesh = _mesh(a)
+    from hsd_jax import compilation
+    from hsd_jax.api import load_drafter, load_target, warmup
+
+    target = load_target(a.model, dtype=a.dtype, max_cache_len=a.max_cache_len,
+                         attention_impl=a.attention_impl, mesh=mesh)
+    drafter = None
+    if a.method != "ar":
+        drafter = load_drafter(a.method, a.drafter, target=target, random_init=a.random_drafter)
+    report = warmup(target, method=a.method, drafter=drafter, batch_size=a.batch_size, temperature=a.temperature,
+                    top_k=a.sampling_top_k, top_p=a.top_p, mesh=mesh, max_prompt_len=a.max_prompt_len, **options)
+    _say(json.dumps(dict(report, compilation_cache=compilation.enable())))
     return 0
 
 
@@ -438,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsd", description="Hidden-State Speculative Decoding in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_warmup(sub)
     _add_data(sub)
     _add_train(sub)
     _add_bench(sub)

