@@ -3,7 +3,7 @@
 On a CPU host the devices are fake (`--xla_force_host_platform_device_count`): they share the
 same cores, so the numbers only measure the partitioning and collective overhead of a mesh,
 not a speed-up. On a multi-chip host (GPUs, a TPU VM) the same command measures real scaling;
-see benchmarks/sharded_multichip.sh for the prepared runs, multi-host included.
+see scripts/sharded_multichip.sh for the prepared runs, multi-host included.
 
     python benchmarks/sharded.py --meshes 1x1,1x8,2x4,4x2,8x1 --batch 8 --max-new-tokens 32
     python benchmarks/sharded.py --model smollm2-135m --meshes 1x1,1x3,3x1 --batch 6

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hsd_jax import cpu_kernels, distributed, sharding
-from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig
-from hsd_jax.loading.errors import ModelLoadError
+from hsd_jax import compilation, cpu_kernels, distributed, sharding
+from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig, from_json
+from hsd_jax.loading.errors import ModelLoadError, read_npy
 from hsd_jax.models.drafter import Drafter
 
 
@@ -75,6 +75,7 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
 
     if int(max_cache_len) <= 0:
         raise ConfigError(f"max_cache_len must be positive, got {max_cache_len}")
+    compilation.enable()
     overrides = dict(dtype=dtype or default_dtype(), attention_impl=attention_impl,
                      feature_layers=tuple(feature_layers))
     path = model_path(model)
@@ -92,11 +93,35 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
     return Target(params, cfg, tok, int(max_cache_len), model)
 
 
-PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this many tokens (one compile per multiple)
+PROMPT_BUCKET = 16  # the smallest prompt bucket: prompts are right-padded to PROMPT_BUCKET x 2^k tokens
 
 
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def cache_capacity(target: "Target") -> int:
+    """The KV cache slots of every decode program for this target (`max_cache_len`, a multiple
+    of 16): fixed per target, so no prompt length or `max_new_tokens` recompiles the loop."""
+    return round_up(target.max_cache_len, 16)
+
+
+def prompt_bucket_length(n: int, smallest: int = PROMPT_BUCKET, capacity: int | None = None) -> int:
+    """The padded length of a prompt of n tokens: the least smallest x 2^k >= n (at most `capacity`),
+    so prompts of 33-185 tokens share 3 prefill programs at a bucket of 16 and waste under half."""
+    length = smallest
+    while length < n:
+        length *= 2
+    return length if capacity is None else min(length, capacity)
+
+
+def prompt_buckets(capacity: int, smallest: int = PROMPT_BUCKET, longest: int | None = None) -> list[int]:
+    """Every padded prompt length a target of this capacity prefills (up to `longest` tokens' bucket)."""
+    top = prompt_bucket_length(min(longest or capacity, capacity), smallest, capacity)
+    out = [min(smallest, capacity)]
+    while out[-1] < top:
+        out.append(min(out[-1] * 2, capacity))
+    return out
 
 
 def _as_list(prompts) -> list:
@@ -136,9 +161,11 @@ def encode_prompts(target: Target, prompts, chat: bool) -> list[list[int]]:
     return ids
 
 
-def pad_prompts(ids: list[list[int]], multiple: int = PROMPT_BUCKET) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad to a bucketed length (limits recompiles); returns tokens [B, T] and lengths [B]."""
-    t = round_up(max(len(p) for p in ids), multiple)
+def pad_prompts(ids: list[list[int]], smallest: int = PROMPT_BUCKET,
+                capacity: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad to the longest prompt's bucket (`prompt_bucket_length`: one prefill program per
+    bucket); returns tokens [B, T] and lengths [B]."""
+    t = prompt_bucket_length(max(len(p) for p in ids), smallest, capacity)
     tokens = np.zeros((len(ids), t), np.int32)
     for i, p in enumerate(ids):
         tokens[i, : len(p)] = p
@@ -188,10 +215,18 @@ def serving_drafter_params(drafter: Drafter, target: Target):
     """A feature drafter's (hsd, eagle) params for decoding beside `serving_params(target)`: with
     its layers' packed weights and its draft-vocab head packed (`packed_kernels["draft_head"]`,
     read through `TargetView.packed_head`), built once per drafter and target, when the target is
-    served with the CPU kernels and the drafter is f32; else as loaded."""
+    served with the CPU kernels and the drafter is f32; sd's draft LM with its layers packed;
+    else as loaded."""
     from hsd_jax.models.drafter import DrafterConfig, pack_draft_head
 
     params = drafter.params
+    if (isinstance(drafter.config, ModelConfig) and drafter.config.dtype == "float32"
+            and target.config.dtype == "float32" and cpu_kernels.enabled()):
+        # sd's draft LM: its layers through the kernels as the target's, so its attention reads the
+        # committed slots only (XLA's scores every slot of the cache capacity)
+        if drafter._packed is None or drafter._packed[0] is not params:
+            drafter._packed = (params, None, cpu_kernels.pack_layers(params["layers"]))
+        return dict(params, packed_kernels=drafter._packed[2])
     if (not isinstance(drafter.config, DrafterConfig) or target.config.dtype != "float32"
             or params["layers"]["mlp"]["down_proj"]["kernel"].dtype != jnp.float32 or not cpu_kernels.enabled()):
         return params
@@ -205,8 +240,9 @@ def serving_drafter_params(drafter: Drafter, target: Target):
 
 
 def compiled(fn, args, static: dict, options: dict | None = None):
-    """AOT-compile `fn` for these argument shapes once (with XLA compiler `options`); returns
-    (executable, compile seconds now)."""
+    """AOT-compile `fn` for these argument shapes once per process (with XLA compiler `options`;
+    from the persistent compilation cache when an earlier process compiled it, `compilation`);
+    returns (executable, compile seconds now)."""
     shapes = jax.tree.map(lambda a: (np.shape(a), str(getattr(a, "dtype", type(a))),
                                      str(getattr(a, "sharding", None))), args)
     options = options or {}
@@ -214,10 +250,14 @@ def compiled(fn, args, static: dict, options: dict | None = None):
            str(jax.sharding.get_abstract_mesh()), tuple(sorted(options.items())))
     if key in _COMPILED:
         return _COMPILED[key], 0.0
+    compilation.enable()
     t0 = time.perf_counter()
     exe = fn.lower(*args, **static).compile(compiler_options=options or None)
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
+
+
+ORBAX_COMMIT_MARKER = "commit_success.txt"  # written by Orbax beside a checkpoint: "... successful to /abs/dir"
 
 
 def _drafter_paths(path: str) -> tuple[str, str, str]:
@@ -241,6 +281,11 @@ def save_drafter(drafter, path: str) -> None:
         if jax.tree.leaves(host):  # a weightless drafter (lookup): its config is all there is
             with distributed.primary_checkpointer() as ckpt:
                 ckpt.save(os.path.abspath(params_path), host, force=True)
+            # Orbax's commit marker names this machine's absolute directory; a local restore does
+            # not read it, and a drafter that ships in the package must not carry the path.
+            marker = os.path.join(params_path, ORBAX_COMMIT_MARKER)
+            if os.path.isfile(marker):
+                os.remove(marker)
     distributed.barrier("save_drafter")
 
 
@@ -254,7 +299,40 @@ def shipped_drafter(kind: str, target: Target) -> str | None:
 
 
 def _restore_params(path: str):
-    """An Orbax params checkpoint, restored onto this process's first device whatever topology saved it."""
+    """An Orbax params checkpoint, restored onto this process's first device whatever topology saved it.
+    Restored eagerly, so a damaged file (TensorStore's read errors included) is a ModelLoadError here."""
+    import gc
+    import inspect
+    import logging
+    import sys
+
+    from hsd_jax.loading.errors import one_line
+
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"drafter weights not found: {path}")
+    hook = sys.unraisablehook
+
+    def quiet(u):   # when one read fails, Orbax drops its other reads' coroutines unawaited: not the user's news
+        if not inspect.iscoroutine(u.object):
+            hook(u)
+
+    absl = logging.getLogger("absl")   # Orbax logs what it fails to parse: the error below says it once
+    level = absl.level
+    sys.unraisablehook = quiet
+    absl.setLevel(logging.CRITICAL)
+    try:
+        try:
+            return _restore_checkpoint(path)
+        except Exception as e:   # Orbax and TensorStore raise bare Exceptions on damaged files
+            failure = one_line(e)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+        absl.setLevel(level)
+    raise ModelLoadError(f"{path}: damaged Orbax checkpoint: {failure}")
+
+
+def _restore_checkpoint(path: str):
     import orbax.checkpoint as ocp
 
     with ocp.StandardCheckpointer() as ckpt:
@@ -269,22 +347,62 @@ def export_eagle3(path: str, out: str, dtype: str = "float32") -> None:
     """Write an eagle3 drafter saved by `save_drafter` (e.g. by `hsd train`) in the published
     EAGLE-3 format, loadable by the EAGLE reference, SpecForge, sglang and vLLM (and by
     `load_drafter("eagle3", out, ...)` again). No target needed."""
-    import json
-
     from hsd_jax.models import eagle3
 
-    meta, d2t_path, params_path = _drafter_paths(path)
-    if not os.path.isfile(meta):
-        raise ModelLoadError(f"not a drafter directory (no drafter.json): {path}")
-    with open(meta) as f:
-        info = json.load(f)
-    if info.get("kind") != "eagle3":
-        raise ModelLoadError(f"{path} holds a {info.get('kind')!r} drafter; only eagle3 drafters export to the "
-                             "EAGLE-3 format")
     if dtype not in ("float32", "float16"):
         raise ConfigError(f"export dtype must be float32 or float16, got {dtype!r}")
-    cfg = eagle3.Eagle3Config(**info["config"])
-    eagle3.export_published(_restore_params(params_path), cfg, np.load(d2t_path, allow_pickle=False), out, dtype)
+    info = _drafter_info(path, "eagle3")
+    _, d2t_path, params_path = _drafter_paths(path)
+    cfg = _drafter_config(path, info, lambda raw: from_json(eagle3.Eagle3Config, raw))
+    eagle3.export_published(_restore_params(params_path), cfg, read_npy(d2t_path), out, dtype)
+
+
+def _drafter_info(path: str, kind: str) -> dict:
+    """drafter.json of a drafter directory, checked to hold a `kind` drafter and its config object."""
+    from hsd_jax.loading.hf import read_json
+
+    meta = _drafter_paths(path)[0]
+    if not os.path.isfile(meta):
+        raise ModelLoadError(f"not a drafter directory (no drafter.json): {path}")
+    info = read_json(meta)
+    if info.get("kind") != kind:
+        raise ModelLoadError(f"{path} holds a {info.get('kind')!r} drafter, not {kind!r}")
+    if not isinstance(info.get("config"), dict):
+        raise ModelLoadError(f"{meta}: no 'config' object (drafter.json holds the drafter's kind and config)")
+    return info
+
+
+def _drafter_config(path: str, info: dict, make, **overrides):
+    """The drafter config `make` builds from drafter.json's (type-checked) fields."""
+    try:
+        return make(dict(info["config"], **overrides))
+    except (ConfigError, TypeError) as e:
+        raise ModelLoadError(f"{_drafter_paths(path)[0]}: {e}") from None
+
+
+_EXPECTED_PARAMS: dict = {}   # (drafter kind, config, target config) -> expected weights, traced once
+
+
+def _check_restored(params, dk, cfg, target, source: str) -> None:
+    """Refuse restored weights whose tree, shapes or kinds (float / integer) differ from those the
+    config implies (a damaged or foreign checkpoint), before anything compiles over them. The
+    expected ones come from the kind's random init, traced without computing it."""
+    describe = lambda tree: {jax.tree_util.keystr(k): (tuple(v.shape), bool(jnp.issubdtype(v.dtype, jnp.floating)))
+                             for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    key = (dk, cfg, target.config)
+    if key not in _EXPECTED_PARAMS:
+        overrides = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "kind"}
+        _EXPECTED_PARAMS[key] = describe(jax.eval_shape(lambda: dk.random(target, 0, **overrides)[0]))
+    have, want = describe(params), _EXPECTED_PARAMS[key]
+    for name in sorted(set(have) | set(want)):
+        if name not in have:
+            raise ModelLoadError(f"{source}: weights lack {name}")
+        if name not in want:
+            raise ModelLoadError(f"{source}: unexpected weights {name}")
+        if have[name] != want[name]:
+            (hs, hf), (ws, wf) = have[name], want[name]
+            raise ModelLoadError(f"{source}: weights {name} are {'float' if hf else 'integer'} {hs}, the config "
+                                 f"implies {'float' if wf else 'integer'} {ws}")
 
 
 def load_drafter(kind: str, path: str | None = None, *, target: Target, random_init: bool = False,
@@ -299,8 +417,6 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
     with `random_init=True` (for tests and engine checks; acceptance will be low). `config`
     overrides fields of the stored (or default) drafter config.
     """
-    import json
-
     from hsd_jax import methods
     from hsd_jax.models.layers import jnp_dtype
 
@@ -318,24 +434,22 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         if config:
             cfg = dataclasses.replace(cfg, **config)
     elif path is not None:
-        meta, d2t_path, params_path = _drafter_paths(path)
-        if not os.path.isfile(meta):
-            raise ModelLoadError(f"not a drafter directory (no drafter.json): {path}")
-        with open(meta) as f:
-            info = json.load(f)
-        if info.get("kind") != kind:
-            raise ModelLoadError(f"{path} holds a {info.get('kind')!r} drafter, not {kind!r}")
-        try:
-            cfg = dk.config(dict(info["config"], **config))
-        except TypeError as e:
-            raise ModelLoadError(f"{meta}: {e}") from None
-        d2t = np.load(d2t_path, allow_pickle=False) if dk.has_draft_vocab and os.path.isfile(d2t_path) else None
+        _, d2t_path, params_path = _drafter_paths(path)
+        cfg = _drafter_config(path, _drafter_info(path, kind), dk.config, **config)
+        d2t = read_npy(d2t_path) if dk.has_draft_vocab and os.path.isfile(d2t_path) else None
         params = {} if dk.built_in and not os.path.exists(params_path) else _restore_params(params_path)
     else:
         params, cfg, d2t = dk.random(target, seed, **config)
     compute = jnp_dtype(target.config)  # drafters compute in the target's dtype
     params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    params, cfg, d2t = dk.finish(params, cfg, d2t, target)
+    try:
+        params, cfg, d2t = dk.finish(params, cfg, d2t, target)
+    except (ConfigError, ModelLoadError) as e:   # a drafter read from files: the message names them
+        if path is None or path in str(e):
+            raise
+        raise ModelLoadError(f"{path}: {e}") from None
+    if path is not None and published is None:
+        _check_restored(params, dk, cfg, target, params_path)
     return Drafter(kind, params, cfg, d2t, path)
 
 
@@ -351,11 +465,147 @@ def _shard_args(args, mesh, target: Target, drafter, batch: int):
             sharding.replicate(key, mesh))
 
 
+def _method_spec(target: Target, method: str, drafter, tuned: bool, options: dict):
+    """The `engine.SpecConfig` (None for ar) and drafter a request for `method` runs with."""
+    from hsd_jax import engine, methods
+
+    if method == "ar":
+        if options:
+            raise InputError(f"unknown options for method 'ar': {', '.join(sorted(options))}")
+        return None, None
+    m = methods.get(method)
+    if drafter is None and m.drafter.built_in:
+        drafter = load_drafter(method, target=target)
+    if drafter is None:
+        raise InputError(f"method {method!r} needs a drafter: hsd_jax.load_drafter({method!r}, ...)")
+    if drafter.kind != method:
+        raise InputError(f"method {method!r} needs a {method!r} drafter, got a {drafter.kind!r} one")
+    known = {f.name for f in dataclasses.fields(engine.SpecConfig)} - {"method"}
+    unknown = set(options) - known
+    if unknown:
+        raise InputError(f"unknown options for method {method!r}: {', '.join(sorted(unknown))}")
+    if tuned:
+        from hsd_jax import tuning
+
+        options = dict(tuning.tuned_options(method, target, drafter), **options)
+    spec = engine.SpecConfig(method=method, **options)
+    m.check(drafter, spec)
+    return spec, drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The two jitted programs a request runs (`hsd_jax.engine`), with their static arguments:
+
+        prefill(*weights, tokens [B, T], lengths [B], key, **prefill_static) -> engine.Prefilled
+            one program per padded prompt length T (`prompt_buckets`);
+        decode(*weights, prefilled, max_new_tokens (int32 scalar), **decode_static) -> output
+            one program per (model, method, spec, sampling, batch, capacity).
+
+    weights: (target params,) for ar, (target params, drafter params, d2t) otherwise."""
+
+    weights: tuple
+    prefill: Any
+    decode: Any
+    prefill_static: dict
+    decode_static: dict
+    options: dict       # XLA compiler options (`compile_options`)
+    capacity: int
+
+
+def programs(target: Target, spec, drafter, sampling: SamplingConfig, mesh=None) -> Programs:
+    """The prefill and decode programs of `generate` for this target, method spec (None: ar),
+    drafter and sampling."""
+    from hsd_jax import engine
+
+    capacity = cache_capacity(target)
+    tparams = serving_params(target) if mesh is None else target.params
+    if spec is None:
+        return Programs((tparams,), engine.ar_prefill, engine.ar_decode,
+                        dict(cfg=target.config, sampling=sampling, capacity=capacity),
+                        dict(cfg=target.config, sampling=sampling), compile_options(target.params), capacity)
+    tcfg = target.config
+    if getattr(drafter.config, "feature_layers", ()):  # the drafter reads these target layers' outputs
+        tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
+    d2t = np.zeros((1,), np.int32) if drafter.d2t is None else drafter.d2t
+    dparams = serving_drafter_params(drafter, target) if mesh is None else drafter.params
+    static = dict(tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling)
+    return Programs((tparams, dparams, d2t), engine.spec_prefill, engine.spec_decode,
+                    dict(static, capacity=capacity), static, compile_options(target.params), capacity)
+
+
+def _run(progs: Programs, tokens, lengths, key, max_new_tokens: int, mesh, target: Target, drafter) -> tuple:
+    """Prefill then decode (each compiled once per shape, `compiled`); returns (output on the host,
+    {compile, prefill, decode: seconds})."""
+    args = (*progs.weights, tokens, lengths, key)
+    bound = np.int32(max_new_tokens)
+    if mesh is not None:
+        args = _shard_args(args, mesh, target, drafter, len(tokens))
+        bound = sharding.replicate(bound, mesh)
+    n = len(progs.weights)
+    with sharding.use_mesh(mesh):
+        prefill, compile_p = compiled(progs.prefill, args, progs.prefill_static, progs.options)
+        t0 = time.perf_counter()
+        pre = jax.block_until_ready(prefill(*args))
+        prefill_s = time.perf_counter() - t0
+        dargs = (*args[:n], pre, bound)
+        decode, compile_d = compiled(progs.decode, dargs, progs.decode_static, progs.options)
+        t0 = time.perf_counter()
+        out = sharding.fetch(decode(*dargs))
+        decode_s = time.perf_counter() - t0
+    return out, {"compile": compile_p + compile_d, "prefill": prefill_s, "decode": decode_s}
+
+
+def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int = 1, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, mesh=None, prompt_bucket: int = PROMPT_BUCKET,
+           max_prompt_len: int | None = None, tuned: bool = False, progress: bool = True, **options) -> dict:
+    """Compile ahead of serving what `generate` with these arguments will run: the prefill program
+    of every prompt bucket (up to `max_prompt_len` tokens' bucket; default the cache capacity) and
+    the decode loop, which then serves every prompt length and `max_new_tokens`. Programs land in
+    this process's table and in the persistent compilation cache (`hsd_jax.compilation`), so a
+    later process loads them instead of compiling. Returns {"programs": n, "compile_seconds": s}."""
+    from tqdm import tqdm
+
+    from hsd_jax import distributed
+
+    if batch_size < 1:
+        raise InputError(f"batch_size must be >= 1, got {batch_size}")
+    if prompt_bucket < 1:
+        raise InputError(f"prompt_bucket must be >= 1, got {prompt_bucket}")
+    sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
+    spec, drafter = _method_spec(target, method, drafter, tuned, options)
+    progs = programs(target, spec, drafter, sampling, mesh)
+    buckets = prompt_buckets(progs.capacity, prompt_bucket, max_prompt_len)
+    bar = tqdm(total=len(buckets) + 1, desc=f"warmup {method}", unit="program",
+               disable=not (progress and distributed.is_primary()))
+    total = 0.0
+    key = jax.random.key(0)
+    for i, t in enumerate(buckets):
+        tokens, lengths = np.zeros((batch_size, t), np.int32), np.ones((batch_size,), np.int32)
+        if i == 0:   # the smallest bucket runs, its output shaping the decode loop's arguments
+            _, secs = _run(progs, tokens, lengths, key, 1, mesh, target, drafter)
+            total += secs["compile"]
+            bar.update(2)
+            continue
+        args = (*progs.weights, tokens, lengths, key)
+        if mesh is not None:
+            args = _shard_args(args, mesh, target, drafter, batch_size)
+        with sharding.use_mesh(mesh):
+            total += compiled(progs.prefill, args, progs.prefill_static, progs.options)[1]
+        bar.update(1)
+    bar.close()
+    return {"programs": len(buckets) + 1, "compile_seconds": total}
+
+
 def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False, method: str = "ar",
              drafter=None, mesh=None, prompt_bucket: int = PROMPT_BUCKET, tuned: bool = False,
              **options) -> list[GenerationResult]:
-    """Generate a continuation per prompt with one jitted decode loop; one result per prompt.
+    """Generate a continuation per prompt; one result per prompt.
+
+    Two compiled programs run (`programs`): a prefill per prompt bucket, then one decode loop
+    per method, spec, batch size and target (its cache capacity is `max_cache_len`), whatever
+    the prompt lengths and `max_new_tokens`. `warmup` compiles them ahead of time.
 
     mesh: a `hsd_jax.sharding.make_mesh(data, model)` mesh to run on several devices: params
     are placed into their shards (heads / MLP / vocab over `model`), prompts and KV caches over
@@ -365,35 +615,12 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
     tuned: take the tree (and hsd reuse) `hsd tune` chose for this hardware, target and drafter
     (`hsd_jax.tuning`); explicit options still win; ignored by ar.
 
-    prompt_bucket: prompts are right-padded to a multiple of this many tokens; each padded
-    length compiles once, so a larger bucket trades a little prefill for fewer compiles
-    (accelerators, where a compile costs more than the padding).
+    prompt_bucket: the smallest prompt bucket: prompts are right-padded to prompt_bucket x 2^k
+    tokens (at most the cache capacity), each padded length one prefill program.
     """
-    from hsd_jax import engine, methods
-
     check_request(prompts, max_new_tokens, prompt_bucket)
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
-    spec = None
-    if method != "ar":
-        m = methods.get(method)
-        if drafter is None and m.drafter.built_in:
-            drafter = load_drafter(method, target=target)
-        if drafter is None:
-            raise InputError(f"method {method!r} needs a drafter: hsd_jax.load_drafter({method!r}, ...)")
-        if drafter.kind != method:
-            raise InputError(f"method {method!r} needs a {method!r} drafter, got a {drafter.kind!r} one")
-        known = {f.name for f in dataclasses.fields(engine.SpecConfig)} - {"method"}
-        unknown = set(options) - known
-        if unknown:
-            raise InputError(f"unknown options for method {method!r}: {', '.join(sorted(unknown))}")
-        if tuned:
-            from hsd_jax import tuning
-
-            options = dict(tuning.tuned_options(method, target, drafter), **options)
-        spec = engine.SpecConfig(method=method, **options)
-        m.check(drafter, spec)
-    elif options:
-        raise InputError(f"unknown options for method 'ar': {', '.join(sorted(options))}")
+    spec, drafter = _method_spec(target, method, drafter, tuned, options)
     ids = encode_prompts(target, prompts, chat)
     longest = max(len(p) for p in ids)
     slack = 0 if spec is None else spec.cache_slack
@@ -401,30 +628,10 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         raise InputError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens}"
                          + (f" + draft tree {slack}" if slack else "")
                          + f" exceeds the cache capacity max_cache_len={target.max_cache_len}")
-    fits = round_up(longest, prompt_bucket) + max_new_tokens + slack <= target.max_cache_len
-    tokens, lengths = pad_prompts(ids, prompt_bucket if fits else PROMPT_BUCKET)  # a bucket must not overflow the cache
-    capacity = min(round_up(tokens.shape[1] + max_new_tokens + slack, 128), round_up(target.max_cache_len, 16))
-    key = jax.random.key(seed)
-    tparams = serving_params(target) if mesh is None else target.params
-    if spec is None:
-        fn, args = engine.ar_generate, (tparams, tokens, lengths, key)
-        static = dict(cfg=target.config, sampling=sampling, max_new_tokens=int(max_new_tokens), capacity=capacity)
-    else:
-        tcfg = target.config
-        if getattr(drafter.config, "feature_layers", ()):  # the drafter reads these target layers' outputs
-            tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
-        d2t = np.zeros((1,), np.int32) if drafter.d2t is None else drafter.d2t
-        dparams = serving_drafter_params(drafter, target) if mesh is None else drafter.params
-        fn, args = engine.spec_generate, (tparams, dparams, d2t, tokens, lengths, key)
-        static = dict(tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling,
-                      max_new_tokens=int(max_new_tokens), capacity=capacity)
-    if mesh is not None:
-        args = _shard_args(args, mesh, target, drafter if spec is not None else None, len(ids))
-    with sharding.use_mesh(mesh):
-        run, compile_s = compiled(fn, args, static, compile_options(target.params))
-        t0 = time.perf_counter()
-        out = sharding.fetch(run(*args))
-        elapsed = time.perf_counter() - t0
+    progs = programs(target, spec, drafter, sampling, mesh)
+    tokens, lengths = pad_prompts(ids, prompt_bucket, progs.capacity)
+    out, secs = _run(progs, tokens, lengths, jax.random.key(seed), max_new_tokens, mesh, target, drafter)
+    elapsed = secs["prefill"] + secs["decode"]
     results = []
     for i in range(len(ids)):
         n = int(out.num_tokens[i])
@@ -436,7 +643,8 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
             dsteps = int(out.stats.drafter_steps[i])
         stats = {"method": method, "new_tokens": n, "prompt_tokens": len(ids[i]), "target_forwards": rounds + 1,
                  "rounds": rounds, "tau": (n - 1) / rounds if rounds else 1.0, "drafter_forwards": dsteps,
-                 "accepted_hist": hist, "seconds": elapsed, "compile_seconds": compile_s,
+                 "accepted_hist": hist, "seconds": elapsed, "compile_seconds": secs["compile"],
+                 "prefill_seconds": secs["prefill"], "decode_seconds": secs["decode"],
                  "tokens_per_s": n / elapsed if elapsed > 0 else 0.0}
         if spec is not None:
             stats.update(reuse=spec.reuse, tree_nodes=spec.tree_nodes, tree_depth=spec.depth, tree_top_k=spec.tree_top_k,

@@ -37,6 +37,12 @@ def init_cache(num_layers: int, batch: int, num_kv_heads: int, capacity: int, he
     return constrain_cache(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32)))
 
 
+def widen(cache: KVCache, capacity: int) -> KVCache:
+    """The same cache with its slot axis padded (empty slots) to `capacity`."""
+    pad = ((0, 0),) * 3 + ((0, capacity - cache.capacity), (0, 0))
+    return constrain_cache(cache.replace(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad)))
+
+
 def write_layer(cache_arr: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
     """Write new [B, N, H_kv, D_h] entries of one layer at slots lengths[b] + i (out of range: dropped).
 
@@ -58,6 +64,24 @@ def advance(cache: KVCache, counts: jax.Array) -> KVCache:
     return cache.replace(lengths=cache.lengths + counts.astype(jnp.int32))
 
 
+_SLOT_GATHER = lax.GatherDimensionNumbers(offset_dims=(2, 3, 4), collapsed_slice_dims=(3,), start_index_map=(3,),
+                                          operand_batching_dims=(1,), start_indices_batching_dims=(0,))
+_SLOT_SCATTER = lax.ScatterDimensionNumbers(update_window_dims=(2, 3, 4), inserted_window_dims=(3,),
+                                            scatter_dims_to_operand_dims=(3,), operand_batching_dims=(1,),
+                                            scatter_indices_batching_dims=(0,))
+
+
+def _gather_slots(arr: jax.Array, slots: jax.Array) -> jax.Array:
+    """Entries [B, M, L, H, D] of a cache array [L, B, H, S, D] at slots [B, M] (clipped)."""
+    l, _, h, _, d = arr.shape
+    return lax.gather(arr, slots[..., None], _SLOT_GATHER, (l, 1, h, 1, d), mode=lax.GatherScatterMode.CLIP)
+
+
+def _scatter_slots(arr: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """`arr` with rows [B, M, L, H, D] written at slots [B, M] (out of range: dropped)."""
+    return lax.scatter(arr, slots[..., None], rows, _SLOT_SCATTER, mode=lax.GatherScatterMode.FILL_OR_DROP)
+
+
 def compact(cache: KVCache, src: jax.Array, counts: jax.Array) -> KVCache:
     """Move entries of chosen scratch slots to contiguous slots after the committed prefix.
 
@@ -71,16 +95,8 @@ def compact(cache: KVCache, src: jax.Array, counts: jax.Array) -> KVCache:
     src_slot = cache.lengths[:, None] + jnp.where(live, src, j)
     dst_slot = jnp.where(live, cache.lengths[:, None] + j, cache.capacity)
 
-    l, _, h, _, d = cache.k.shape
-    gdims = lax.GatherDimensionNumbers(offset_dims=(2, 3, 4), collapsed_slice_dims=(3,), start_index_map=(3,),
-                                       operand_batching_dims=(1,), start_indices_batching_dims=(0,))
-    sdims = lax.ScatterDimensionNumbers(update_window_dims=(2, 3, 4), inserted_window_dims=(3,),
-                                        scatter_dims_to_operand_dims=(3,), operand_batching_dims=(1,),
-                                        scatter_indices_batching_dims=(0,))
-
     def move(arr):  # batched gather + scatter: stays local to each `data` shard, as in write_layer
-        rows = lax.gather(arr, src_slot[..., None], gdims, (l, 1, h, 1, d), mode=lax.GatherScatterMode.CLIP)
-        return lax.scatter(arr, dst_slot[..., None], rows, sdims, mode=lax.GatherScatterMode.FILL_OR_DROP)
+        return _scatter_slots(arr, dst_slot, _gather_slots(arr, src_slot))
 
     return KVCache(move(cache.k), move(cache.v), cache.lengths + counts.astype(jnp.int32))
 
@@ -96,6 +112,14 @@ def restore_slots(new: KVCache, old: KVCache, start: jax.Array, stop: jax.Array)
     s = jnp.arange(new.capacity, dtype=jnp.int32)[None]
     keep = ((s >= start[:, None]) & (s < stop[:, None]))[None, :, None, :, None]
     return new.replace(k=jnp.where(keep, old.k, new.k), v=jnp.where(keep, old.v, new.v))
+
+
+def restore_at(new: KVCache, old: KVCache, slots: jax.Array, keep: jax.Array) -> KVCache:
+    """`new` with `old`'s entries at slots[b, j] where keep[b, j]: `restore_slots` for a few known
+    slots, one gather and scatter instead of a pass over the whole capacity."""
+    dst = jnp.where(keep, slots, new.capacity)
+    return new.replace(k=_scatter_slots(new.k, dst, _gather_slots(old.k, slots)),
+                       v=_scatter_slots(new.v, dst, _gather_slots(old.v, slots)))
 
 
 def at_offset(cache: KVCache, offset) -> KVCache:

@@ -40,6 +40,8 @@ def _add_generate(sub):
                    help="use an untrained random drafter (engine checks only: acceptance is low)")
     _add_tree_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    p.add_argument("--verbose", action="store_true",
+                   help="print where the time went (load, compile, prefill, decode) on stderr")
     _add_mesh_arg(p)
     p.set_defaults(func=cmd_generate)
 
@@ -105,6 +107,19 @@ def _check_model(model: str) -> None:
         raise UsageError(f"unknown model {model!r}: use smollm2-135m, a .gguf file or a model directory")
 
 
+def _process_seconds() -> float:
+    """Wall seconds since this process started (Linux /proc; else since the clock's origin)."""
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter()
+
+
 def _check_generate_args(a) -> dict:
     """Everything checkable before the model loads, by the checks `generate` itself uses."""
     from hsd_jax.api import check_request
@@ -122,6 +137,9 @@ def _check_generate_args(a) -> dict:
 
 
 def cmd_generate(a) -> int:
+    import time
+
+    start = time.perf_counter()
     options = _check_generate_args(a)
     mesh = _mesh(a)
     from hsd_jax.api import generate, load_drafter, load_target
@@ -131,11 +149,20 @@ def cmd_generate(a) -> int:
     drafter = None
     if a.method != "ar":
         drafter = load_drafter(a.method, a.drafter, target=target, random_init=a.random_drafter)
+    loaded = time.perf_counter()
     res = generate(target, [a.prompt], max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                    top_k=a.sampling_top_k, top_p=a.top_p, seed=a.seed, chat=a.chat, method=a.method,
                    drafter=drafter, mesh=mesh, **options)[0]
     from hsd_jax.distributed import is_primary
 
+    if a.verbose and is_primary():
+        s, done = res.stats, time.perf_counter()
+        other = done - loaded - s["compile_seconds"] - s["prefill_seconds"] - s["decode_seconds"]
+        print(f"[time: load {loaded - start:.2f} s, compile {s['compile_seconds']:.2f} s, prefill "
+              f"{s['prefill_seconds']:.3f} s ({s['prompt_tokens']} tokens), decode {s['decode_seconds']:.3f} s "
+              f"({s['new_tokens']} tokens, {s['new_tokens'] / max(s['decode_seconds'], 1e-9):.1f} tok/s), "
+              f"other {other:.2f} s; {done - start:.2f} s since the command started, "
+              f"{_process_seconds():.2f} s since the process did (Python and JAX imports)]", file=sys.stderr)
     if not is_primary():   # multi-process: process 0 prints
         return 0
     if a.json:
@@ -148,6 +175,56 @@ def cmd_generate(a) -> int:
         print(res.text)
         print(f"[{res.stats['new_tokens']} tokens, {res.stats['tokens_per_s']:.1f} tok/s, "
               f"compile {res.stats['compile_seconds']:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def _add_warmup(sub):
+    p = sub.add_parser("warmup", help="compile a method's prefill and decode programs ahead of serving "
+                                      "(kept in the persistent compilation cache for later processes)")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a .gguf file or a HF directory")
+    p.add_argument("--method", default="ar", choices=list(methods.METHODS))
+    p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
+    p.add_argument("--random-drafter", action="store_true", help="an untrained random drafter (engine checks)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help="compile the prompt buckets up to this many tokens (default: up to --max-cache-len)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) and sampling compile apart")
+    p.add_argument("--sampling-top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-cache-len", type=int, default=2048)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--attention-impl", choices=["auto", "pallas", "reference"], default="auto")
+    p.add_argument("--reuse", default=None, choices=list(REUSE_POLICIES))
+    _add_tree_args(p)
+    _add_mesh_arg(p)
+    p.set_defaults(func=cmd_warmup)
+
+
+def cmd_warmup(a) -> int:
+    for name in ("batch_size", "max_cache_len"):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.max_prompt_len is not None and a.max_prompt_len < 1:
+        raise UsageError(f"--max-prompt-len must be >= 1, got {a.max_prompt_len}")
+    SamplingConfig(a.temperature, a.sampling_top_k, a.top_p)
+    _check_model(a.model)
+    if a.drafter is not None and not os.path.isdir(a.drafter):
+        raise UsageError(f"drafter directory not found: {a.drafter}")
+    if a.method == "ar" and (a.drafter or a.tuned or a.reuse):
+        raise UsageError("--drafter, --tuned and --reuse need a speculative --method")
+    options = _spec_options(a, a.method)
+    mesh = _mesh(a)
+    from hsd_jax import compilation
+    from hsd_jax.api import load_drafter, load_target, warmup
+
+    target = load_target(a.model, dtype=a.dtype, max_cache_len=a.max_cache_len,
+                         attention_impl=a.attention_impl, mesh=mesh)
+    drafter = None
+    if a.method != "ar":
+        drafter = load_drafter(a.method, a.drafter, target=target, random_init=a.random_drafter)
+    report = warmup(target, method=a.method, drafter=drafter, batch_size=a.batch_size, temperature=a.temperature,
+                    top_k=a.sampling_top_k, top_p=a.top_p, mesh=mesh, max_prompt_len=a.max_prompt_len, **options)
+    _say(json.dumps(dict(report, compilation_cache=compilation.enable())))
     return 0
 
 
@@ -169,6 +246,18 @@ def _add_data(sub):
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_data_generate)
+    t = dsub.add_parser("text", help="shards of text the target did not write (GSM8K-train reference answers, the "
+                        "Python standard library's code), trained on with the target's own labels")
+    t.add_argument("--model", default="smollm2-135m")
+    t.add_argument("--out", required=True, help="output directory for the token shards")
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gsm8k", metavar="JSONL", help="GSM8K train jsonl: each question with its reference answer")
+    src.add_argument("--python-stdlib", action="store_true",
+                     help="this Python's standard-library modules (PSF-2.0), cut into --chunk-tokens pieces")
+    t.add_argument("--chunk-tokens", type=int, default=144, help="code tokens per row (--python-stdlib)")
+    t.add_argument("--max-rows", type=int, default=0, help="keep this many rows (a seeded shuffle; 0: all)")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_data_text)
     n = dsub.add_parser("ngram", help="count response bigrams into the n-gram floor drafter (seconds, no training)")
     n.add_argument("--model", default="smollm2-135m")
     n.add_argument("--data", action="append", required=True, metavar="DIR", help="data directory (repeatable)")
@@ -190,6 +279,26 @@ def cmd_data_ngram(a) -> int:
     target = load_target(a.model, max_cache_len=512, tokenizer=False)
     command = "hsd data ngram " + " ".join(f"--data {d}" for d in a.data) + f" --out {a.out} --top-k {a.top_k}"
     print(json.dumps(build_ngram_drafter(a.data, target, a.out, a.top_k, command)))
+    return 0
+
+
+def cmd_data_text(a) -> int:
+    import random
+
+    from hsd_jax.api import load_target
+    from hsd_jax.train.data import gsm8k_reference_pairs, stdlib_code_pairs, write_text_data
+
+    if a.chunk_tokens < 8 or a.max_rows < 0:
+        raise UsageError(f"--chunk-tokens must be >= 8 and --max-rows >= 0, got {a.chunk_tokens} and {a.max_rows}")
+    target = load_target(a.model, max_cache_len=512)
+    if a.gsm8k:
+        pairs = gsm8k_reference_pairs(a.gsm8k)
+    else:
+        pairs = stdlib_code_pairs(a.chunk_tokens, lambda text: target.tokenizer(text, add_special_tokens=False)["input_ids"])
+    random.Random(a.seed).shuffle(pairs)
+    pairs = pairs[: a.max_rows or None]
+    n = write_text_data(target, pairs, a.out)
+    _say(f"wrote {len(pairs)} rows, {n} response tokens, to {a.out}")
     return 0
 
 
@@ -225,6 +334,12 @@ def _add_train(sub):
     p.add_argument("--config", required=True, help="YAML training config (configs/train/*.yaml)")
     p.add_argument("--steps", type=int, default=None, help="override the config's step count")
     p.add_argument("--out-dir", default=None, help="override the config's output directory")
+    p.add_argument("--init-from", default=None, help="override the config's starting drafter")
+    p.add_argument("--start-step", type=int, default=None,
+                   help="with --init-from and no checkpoint yet: continue the schedule from this step")
+    p.add_argument("--until-step", type=int, default=None,
+                   help="stop at this step (checkpoint, evaluation, exported drafter); the schedule still "
+                        "runs to the config's steps: a long run in chunks")
     _add_mesh_arg(p)
     p.set_defaults(func=cmd_train)
 
@@ -232,8 +347,11 @@ def _add_train(sub):
 def cmd_train(a) -> int:
     from hsd_jax.train.trainer import TrainConfig, train
 
-    cfg = TrainConfig.from_yaml(a.config, steps=a.steps, out_dir=a.out_dir)
-    final = train(cfg, mesh=_mesh(a))
+    if a.until_step is not None and a.until_step < 1:
+        raise UsageError(f"--until-step must be >= 1, got {a.until_step}")
+    cfg = TrainConfig.from_yaml(a.config, steps=a.steps, out_dir=a.out_dir, init_from=a.init_from,
+                                start_step=a.start_step)
+    final = train(cfg, mesh=_mesh(a), until_step=a.until_step)
     _say(json.dumps(final))
     return 0
 
@@ -356,7 +474,7 @@ def _add_compile(sub):
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--batch", type=int, default=1, help="prompts per batch")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (padded as generate pads them)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-cache-len", type=int, default=2048, help="KV cache slots (the decode loop's shapes)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--train", default="", metavar="KIND[,KIND]",
                    help="also the drafter training step of these kinds (hsd, eagle, eagle3, sd) or 'all'")
@@ -376,7 +494,7 @@ def cmd_compile(a) -> int:
         raise UsageError("nothing to compile: give --methods or --train")
     report = hc.compile_all(tpu=a.tpu, cuda=a.cuda, model=a.model, method_names=names, dtype=a.dtype, batch=a.batch,
                             mesh=parse_mesh(a.mesh) if a.mesh else (1, 1), train=kinds, prompt_len=a.prompt_len,
-                            max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                            max_cache_len=a.max_cache_len, temperature=a.temperature,
                             log=None if a.json else (lambda r: _say(hc.format_result(r))))
     if a.json:
         _say(json.dumps(report))
@@ -443,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsd", description="Hidden-State Speculative Decoding in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_warmup(sub)
     _add_data(sub)
     _add_train(sub)
     _add_bench(sub)

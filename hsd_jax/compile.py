@@ -16,6 +16,7 @@ The programs come from the functions `generate` and `train` call (`generate_prog
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -168,46 +169,49 @@ def _batch_spec(x, mesh):
 
 
 def generate_programs(target: api.Target, method_names: Sequence[str], mesh, *, batch: int, prompt_len: int,
-                      max_new_tokens: int, sampling: SamplingConfig = SamplingConfig()) -> list[Program]:
-    """The decode loops `api.generate` compiles for these methods (the same jitted functions and
-    static arguments: `engine.ar_generate`, `engine.spec_generate` with the method's default
-    `SpecConfig` and the drafter `generate` would use), over abstract prompts [batch, prompt_len]."""
-    tokens = jax.ShapeDtypeStruct((batch, api.round_up(prompt_len, api.PROMPT_BUCKET)), jnp.int32)
+                      sampling: SamplingConfig = SamplingConfig()) -> list[Program]:
+    """The two programs `api.generate` compiles per method (`api.programs`: the same jitted functions
+    and static arguments, with the method's default `SpecConfig` and the drafter `generate` would
+    use): the prefill of `prompt_len`'s prompt bucket, over abstract prompts [batch, bucket], and the
+    decode loop, over the abstract `engine.Prefilled` that prefill returns (`jax.eval_shape`)."""
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = _place(jax.eval_shape(lambda: jax.random.key(0)), mesh)
+    bound = _place(jax.ShapeDtypeStruct((), jnp.int32), mesh)
     sharding.check_mesh(target.config, mesh, batch, "target")
-    tparams = _place(target.params, mesh, sharding.param_specs(target.params, mesh))
-    io = (_place(tokens, mesh, _batch_spec(tokens, mesh)), _place(lengths, mesh, _batch_spec(lengths, mesh)),
-          _place(key, mesh))
     programs = []
     for name in method_names:
-        spec = None if name == "ar" else engine.SpecConfig(method=name)
-        slack = 0 if spec is None else spec.cache_slack
-        capacity = min(api.round_up(tokens.shape[1] + max_new_tokens + slack, 128),
-                       api.round_up(target.max_cache_len, 16))
-        if spec is None:
-            programs.append(Program(name, engine.ar_generate, (tparams, *io), dict(
-                cfg=target.config, sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity), mesh))
-            continue
-        drafter = abstract_drafter(name, target)
-        methods.get(name).check(drafter, spec)
-        if isinstance(drafter.config, ModelConfig):   # a draft LM (sd)
-            sharding.check_mesh(drafter.config, mesh, batch, "draft model")
-        tcfg = target.config
-        if getattr(drafter.config, "feature_layers", ()):
-            tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
-        d2t = np.zeros((1,), np.int32) if drafter.d2t is None else np.asarray(drafter.d2t, np.int32)
-        dparams = _place(drafter.params, mesh, sharding.param_specs(drafter.params, mesh))
-        args = (tparams, dparams, _place(jax.ShapeDtypeStruct(d2t.shape, d2t.dtype), mesh), *io)
-        programs.append(Program(name, engine.spec_generate, args, dict(
-            tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling, max_new_tokens=max_new_tokens,
-            capacity=capacity), mesh))
+        spec, drafter = None, None
+        if name != "ar":
+            spec = engine.SpecConfig(method=name)
+            drafter = abstract_drafter(name, target)
+            methods.get(name).check(drafter, spec)
+            if isinstance(drafter.config, ModelConfig):   # a draft LM (sd)
+                sharding.check_mesh(drafter.config, mesh, batch, "draft model")
+        progs = api.programs(target, spec, drafter, sampling, mesh)
+        weights = [_place(w, mesh, sharding.param_specs(w, mesh)) for w in progs.weights[:2]]
+        weights += [_place(jax.ShapeDtypeStruct(np.shape(w), np.asarray(w).dtype), mesh) for w in progs.weights[2:]]
+        bucket = api.prompt_bucket_length(prompt_len, capacity=progs.capacity)
+        tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32)
+        args = (*weights, _place(tokens, mesh, _batch_spec(tokens, mesh)),
+                _place(lengths, mesh, _batch_spec(lengths, mesh)), key)
+        with jax.set_mesh(mesh):   # as `build` traces it (Pallas reads the chip kind from the mesh)
+            prefilled = jax.eval_shape(functools.partial(progs.prefill, **progs.prefill_static), *args)
+        programs.append(Program(f"{name}/prefill{bucket}", progs.prefill, args, progs.prefill_static, mesh,
+                                kernels_expected=False))   # causal attention over the prompt: no tree kernel
+        programs.append(Program(f"{name}/decode", progs.decode, (*weights, _with_shardings(prefilled, mesh), bound),
+                                progs.decode_static, mesh))
     return programs
+
+
+def _with_shardings(tree, mesh):
+    """`tree`'s ShapeDtypeStructs, each keeping the sharding `jax.eval_shape` gave it (else replicated)."""
+    return jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
+                        else _place(jax.ShapeDtypeStruct(x.shape, x.dtype), mesh), tree)
 
 
 def train_programs(target: api.Target, kinds: Sequence[str], mesh, **options) -> list[Program]:
     """The optimizer step `hsd train` compiles per drafter kind (`trainer.train_task`,
-    `trainer.make_optimizer`, `trainer.make_train_step`) over an abstract batch, for a training config
+    `trainer.make_optimizer`, `trainer.make_train_step` over `trainer.with_matmul_inputs`) over an abstract batch, for a training config
     with these `options` (TrainConfig fields: batch_size, window, unroll, ...; its defaults otherwise)."""
     from hsd_jax.models.eagle3 import Eagle3Config
     from hsd_jax.train import losses, trainer
@@ -245,7 +249,7 @@ def train_programs(target: api.Target, kinds: Sequence[str], mesh, **options) ->
         b = losses.Batch(*[None if x is None else _place(x, mesh, _batch_spec(x, mesh)) for x in fields])
         key = _place(jax.eval_shape(lambda: jax.random.key(0)), mesh)
         lr = _place(jax.ShapeDtypeStruct((), jnp.float32), mesh)
-        step = trainer.make_train_step(built["loss"], tx, state)
+        step = trainer.make_train_step(trainer.with_matmul_inputs(built["loss"], cfg.compute_dtype), tx, state)
         programs.append(Program(f"train-{kind}/b{batch}w{window}", step, (state, b, key, lr, consts), {}, mesh,
                                 kernels_expected=False))
     return programs
@@ -310,7 +314,7 @@ def _strip_shardings(tree):
 def compile_all(*, tpu: str | None = None, cuda: bool = False, model: str = "smollm2-135m",
                 method_names: Sequence[str] = methods.METHODS, dtype: str = "bfloat16", batch: int = 1,
                 mesh: tuple[int, int] = (1, 1), train: Sequence[str] = (), prompt_len: int = 64,
-                max_new_tokens: int = 128, temperature: float = 0.0, config: ModelConfig | None = None,
+                max_cache_len: int = 2048, temperature: float = 0.0, config: ModelConfig | None = None,
                 train_options: dict | None = None, log: Callable[[Result], None] | None = None) -> dict:
     """Build every program for one platform; returns a JSON-ready report whose "ok" is True only if
     all of them built. `config` (a ModelConfig) replaces `model` (tests, shapes without files);
@@ -320,8 +324,8 @@ def compile_all(*, tpu: str | None = None, cuda: bool = False, model: str = "smo
     unknown = [m for m in method_names if m not in methods.METHODS]
     if unknown:
         raise InputError(f"unknown methods {unknown}: choose from {', '.join(methods.METHODS)}")
-    if batch < 1 or prompt_len < 1 or max_new_tokens < 1:
-        raise InputError("batch, prompt length and max_new_tokens must be >= 1")
+    if batch < 1 or prompt_len < 1 or max_cache_len < 1:
+        raise InputError("batch, prompt length and max_cache_len must be >= 1")
     platform = "tpu" if tpu else "cuda"
     if config is None:
         cfg, name = model_config(model, dtype, platform)
@@ -346,16 +350,16 @@ def compile_all(*, tpu: str | None = None, cuda: bool = False, model: str = "smo
         with jax.set_mesh(dev_mesh):   # per TensorCore; a device spans num_cores of them (megacore)
             info = pltpu.get_tpu_info()
             hbm = info.hbm_capacity_bytes * info.num_cores
-    target = abstract_target(cfg, name)
+    target = abstract_target(cfg, name, max_cache_len)
     sampling = SamplingConfig(float(temperature))
     programs = generate_programs(target, list(method_names), dev_mesh, batch=batch, prompt_len=prompt_len,
-                                 max_new_tokens=max_new_tokens, sampling=sampling)
+                                 sampling=sampling)
     programs += train_programs(target, train, dev_mesh, **(train_options or {}))
     if platform == "cuda":   # lowered for one GPU: no device shardings in the arguments
         programs = [dataclasses.replace(p, args=_strip_shardings(p.args), mesh=None) for p in programs]
     results = []
     for p in programs:   # name/dtype/batch[/mesh]; training steps carry their own batch and window
-        p.name = f"{p.name}/{'bf16' if dtype == 'bfloat16' else 'f32'}" + ("" if "/" in p.name else f"/b{batch}") + (
+        p.name = f"{p.name}/{'bf16' if dtype == 'bfloat16' else 'f32'}" + ("" if p.name.startswith("train-") else f"/b{batch}") + (
             f"/mesh{data}x{model_axis}" if (data, model_axis) != (1, 1) else "")
         results.append(build(p, platform, hbm))
         if log is not None:

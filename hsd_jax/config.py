@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -20,6 +23,59 @@ class InputError(ValueError):
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _coerce(tp, value, where: str):
+    """`value` (parsed JSON) as a field of type `tp`, or a ConfigError naming the field."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (tp,) = [a for a in args if a is not type(None)]
+        return _coerce(tp, value, where)
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        value = float(value) if ok else value
+    elif tp is str:
+        ok = isinstance(value, str)
+    elif origin is tuple:
+        ok = isinstance(value, (list, tuple))
+        if ok:
+            return tuple(_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return from_json(tp, value, where)
+    else:
+        ok = True
+    if not ok:
+        name = "a list" if origin is tuple else getattr(tp, "__name__", str(tp))
+        raise ConfigError(f"{where} must be {name}, got {json_repr(value)}")
+    return value
+
+
+def json_repr(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def from_json(cls, raw, what: str = "config"):
+    """`cls(**raw)` for a dataclass config parsed from an untrusted JSON file: every key a field,
+    every value of its field's type (ints for int fields, numbers for floats, lists for tuples,
+    objects for nested configs), so a damaged file fails here naming the field, never deep in a
+    jitted program."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} must be a JSON object, got {json_repr(raw)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise ConfigError(f"{what} has unknown fields {unknown}")
+    return cls(**{k: _coerce(hints[k], v, f"{what} field {k!r}") for k, v in raw.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +100,20 @@ class RopeScaling:
     def from_hf(cls, d: dict[str, Any] | None) -> "RopeScaling":
         if not d:
             return cls()
+        if not isinstance(d, dict):
+            raise ConfigError(f"rope scaling must be a JSON object, got {json_repr(d)}")
         rope_type = d.get("rope_type", d.get("type", "default"))
         kw = {k: d[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                 "original_max_position_embeddings") if k in d}
-        return cls(rope_type=rope_type, **kw)
+        return from_json(cls, dict(kw, rope_type=rope_type), "rope scaling")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A LLaMA-family decoder (LLaMA, SmolLM, Qwen2, Mistral without sliding window)."""
+    """A LLaMA-family decoder (LLaMA, SmolLM, Qwen2, Qwen3 dense, Mistral without sliding window).
+
+    head_dim may differ from hidden_size / num_heads (Qwen3: 128 with 1024 / 16); qk_norm is Qwen3's
+    per-head RMSNorm on q and k (weights [head_dim]) before RoPE."""
 
     vocab_size: int
     hidden_size: int
@@ -67,6 +128,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     max_position_embeddings: int = 8192
     feature_layers: tuple[int, ...] = ()
     attention_impl: str = "auto"

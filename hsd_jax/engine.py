@@ -1,31 +1,34 @@
-"""Decode loops compiled as one `jax.jit` each: prefill, then `lax.while_loop` over steps.
+"""Decoding as two `jax.jit` programs per method: a prefill, then a `lax.while_loop` over steps.
 
-Prompts arrive right-padded with their true lengths; the KV cache keeps a length per
-sequence, so a batch of unequal prompts needs no left padding and no per-token Python.
+`ar_prefill` / `spec_prefill` take prompts right-padded to a bucket with their true lengths
+(one program per bucket) and return a `Prefilled` whose shapes depend only on the batch and the
+cache capacity; `ar_decode` / `spec_decode` take it and a traced `max_new_tokens`, so one
+compiled loop per (model, method, spec, sampling, batch, capacity) serves every prompt length
+and every bound. The KV cache keeps a length per sequence, so a batch of unequal prompts needs
+no left padding and no per-token Python.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from hsd_jax import methods
 from hsd_jax import tree as tree_lib
-from hsd_jax.cache import KVCache, advance, compact, init_cache
+from hsd_jax.cache import KVCache, advance, compact
 from hsd_jax.config import ConfigError, ModelConfig, SamplingConfig
 from hsd_jax.models import drafter, llama
-from hsd_jax.models.layers import jnp_dtype
 from hsd_jax.sampling import sample
 from hsd_jax.tree import Tree
 from hsd_jax.verify import Accepted, accept, accept_greedy, emitted_tokens
 
 
 class DecodeOutput(NamedTuple):
-    tokens: jax.Array          # [B, max_new_tokens] new token ids, -1 after the end
+    tokens: jax.Array          # [B, capacity] new token ids, -1 from num_tokens on
     num_tokens: jax.Array      # [B] tokens generated (EOS included)
 
 
@@ -55,25 +58,58 @@ def next_token(params, cfg: ModelConfig, features, key, sampling: SamplingConfig
     return sample(llama.serving_logits(params, cfg, features), key, sampling)
 
 
+class Prefilled(NamedTuple):
+    """What a prefill program hands its decode loop. Its shapes depend on the batch and the cache
+    capacity, never on the prompt's padded length, so one compiled loop serves every prompt."""
+
+    cache: KVCache        # the target's cache [L, B, H, capacity, Dh], committed to the prompt lengths
+    dstate: Any           # the method's state after `init` (() for ar)
+    root: jax.Array       # [B] the first new token, not yet in the cache
+    prompt: jax.Array     # [B, P] the prompts right-padded to P = capacity (P = 0 for ar: unread)
+    prompt_lens: jax.Array  # [B]
+    key: jax.Array        # the sampling key after the root's draw
+
+
+def pad_to_capacity(prompt_tokens, capacity: int):
+    """[B, T] right-padded prompts widened with padding to [B, capacity] (T <= capacity)."""
+    return jnp.pad(prompt_tokens.astype(jnp.int32), ((0, 0), (0, capacity - prompt_tokens.shape[1])))
+
+
+def _prefill_root(params, cfg: ModelConfig, prompt_tokens, prompt_lens, key, sampling: SamplingConfig,
+                  capacity: int):
+    """The prompts through the target from an empty cache of `capacity` slots, and the first token."""
+    logits, out = llama.prefill_new_cache(params, cfg, prompt_tokens, prompt_lens, capacity)
+    key, sub = jax.random.split(key)
+    return out, sample(logits, sub, sampling), key
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "capacity"))
+def ar_prefill(params, prompt_tokens, prompt_lens, key, *, cfg: ModelConfig, sampling: SamplingConfig,
+               capacity: int) -> Prefilled:
+    """Autoregressive decoding's prefill: one program per padded prompt length (bucket)."""
+    out, first, key = _prefill_root(params, cfg, prompt_tokens, prompt_lens, key, sampling, capacity)
+    b = prompt_tokens.shape[0]
+    return Prefilled(out.cache, (), first, jnp.zeros((b, 0), jnp.int32), prompt_lens.astype(jnp.int32), key)
+
+
 class ArLoop(NamedTuple):
     cache: KVCache
     last: jax.Array     # [B] the newest token, not yet in the cache
-    tokens: jax.Array   # [B, max_new_tokens]
+    tokens: jax.Array   # [B, capacity]
     count: jax.Array    # [B]
     done: jax.Array     # [B]
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "capacity"))
-def ar_generate(params, prompt_tokens, prompt_lens, key, *, cfg: ModelConfig, sampling: SamplingConfig,
-                max_new_tokens: int, capacity: int) -> DecodeOutput:
-    """Plain autoregressive decoding with a KV cache: the baseline every method must match."""
-    b = prompt_tokens.shape[0]
-    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, jnp_dtype(cfg))
-    logits, out = prefill(params, cfg, prompt_tokens, prompt_lens, cache)
-    key, sub = jax.random.split(key)
-    first = sample(logits, sub, sampling)
-    tokens = jnp.full((b, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
+def ar_decode(params, pre: Prefilled, max_new_tokens, *, cfg: ModelConfig, sampling: SamplingConfig) -> DecodeOutput:
+    """Plain autoregressive decoding with a KV cache (the baseline every method must match) from
+    `ar_prefill`'s output, up to `max_new_tokens` (traced: one program for every bound); tokens
+    come back [B, capacity], -1 from num_tokens on."""
+    b, capacity = pre.cache.batch_size, pre.cache.capacity
+    max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
+    first = pre.root
+    tokens = jnp.full((b, capacity), -1, jnp.int32).at[:, 0].set(first)
     count = jnp.ones((b,), jnp.int32)
     done = is_eos(first, cfg.eos_token_ids) | (max_new_tokens <= 1)
     screen = llama.head_screen(params, cfg, b) if sampling.greedy else None
@@ -83,12 +119,12 @@ def ar_generate(params, prompt_tokens, prompt_lens, key, *, cfg: ModelConfig, sa
         key, sub = jax.random.split(s.key)
         new = next_token(params, cfg, features, sub, sampling, screen)
         live = ~s.done
-        tokens = s.tokens.at[jnp.arange(b), jnp.where(live, s.count, max_new_tokens)].set(new, mode="drop")
+        tokens = s.tokens.at[jnp.arange(b), jnp.where(live, s.count, capacity)].set(new, mode="drop")
         count = s.count + live.astype(jnp.int32)
         done = s.done | (live & is_eos(new, cfg.eos_token_ids)) | (count >= max_new_tokens)
         return ArLoop(cache, new, tokens, count, done, key)
 
-    s = jax.lax.while_loop(lambda s: jnp.any(~s.done), body, ArLoop(out.cache, first, tokens, count, done, key))
+    s = jax.lax.while_loop(lambda s: jnp.any(~s.done), body, ArLoop(pre.cache, first, tokens, count, done, pre.key))
     return DecodeOutput(s.tokens, s.count)
 
 
@@ -211,7 +247,7 @@ class SpecLoop(NamedTuple):
     tcache: KVCache     # the target's KV cache (committed prefix + scratch)
     dstate: tuple       # the method's own state (its module's `State`)
     root: jax.Array     # [B] the newest committed token, not yet in the target cache
-    tokens: jax.Array   # [B, max_new_tokens + D + 1] committed new tokens, -1 beyond count
+    tokens: jax.Array   # [B, capacity + D + 1] committed new tokens, -1 beyond count
     count: jax.Array    # [B]
     done: jax.Array     # [B]
     key: jax.Array
@@ -240,28 +276,42 @@ def commit(cache: KVCache, acc: Accepted, live) -> KVCache:
     return compact(cache, acc.path, jnp.where(live, acc.num_accepted + 1, 0))
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "sampling", "max_new_tokens", "capacity"))
-def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcfg: ModelConfig, dcfg,
-                  spec: SpecConfig, sampling: SamplingConfig, max_new_tokens: int, capacity: int) -> SpecOutput:
-    """Speculative decoding with `spec.method` for a batch, all rounds in one `lax.while_loop`:
-    the method drafts, the target verifies the tree in one forward, the accepted path is
-    committed, and the method updates its state."""
-    method = methods.REGISTRY[spec.method]
-    b = prompt_tokens.shape[0]
-    depth = spec.verify_depth
-    tcache = init_cache(tcfg.num_layers, b, tcfg.num_kv_heads, capacity, tcfg.head_dim, jnp_dtype(tcfg))
-    logits, out = prefill(tparams, tcfg, prompt_tokens, prompt_lens, tcache)
-    key, sub = jax.random.split(key)
-    root = sample(logits, sub, sampling)
+def _round(tparams, tcfg, dparams, dcfg, d2t, spec: SpecConfig, sampling, prompt_tokens, prompt_lens,
+           capacity: int) -> methods.Round:
     view = None
-    if method.drafter.has_draft_vocab:
+    if methods.REGISTRY[spec.method].drafter.has_draft_vocab:
         view = drafter.target_view(tparams, tcfg, d2t, dparams.get("packed_kernels", {}).get("draft_head"))
-    rnd = methods.Round(tparams, tcfg, dparams, dcfg, d2t, spec, sampling, prompt_tokens, prompt_lens, capacity, view)
-    dstate = method.init(rnd, out, root)
+    return methods.Round(tparams, tcfg, dparams, dcfg, d2t, spec, sampling, prompt_tokens, prompt_lens, capacity, view)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "sampling", "capacity"))
+def spec_prefill(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcfg: ModelConfig, dcfg,
+                 spec: SpecConfig, sampling: SamplingConfig, capacity: int) -> Prefilled:
+    """Speculative decoding's prefill: the target over the prompts, the first token, and the
+    method's `init` (its drafter over the prompts); one program per padded prompt length."""
+    out, root, key = _prefill_root(tparams, tcfg, prompt_tokens, prompt_lens, key, sampling, capacity)
+    rnd = _round(tparams, tcfg, dparams, dcfg, d2t, spec, sampling, prompt_tokens, prompt_lens, capacity)
+    dstate = methods.REGISTRY[spec.method].init(rnd, out, root)
+    return Prefilled(out.cache, dstate, root, pad_to_capacity(prompt_tokens, capacity),
+                     prompt_lens.astype(jnp.int32), key)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "sampling"))
+def spec_decode(tparams, dparams, d2t, pre: Prefilled, max_new_tokens, *, tcfg: ModelConfig, dcfg,
+                spec: SpecConfig, sampling: SamplingConfig) -> SpecOutput:
+    """Speculative decoding with `spec.method` from `spec_prefill`'s output, all rounds in one
+    `lax.while_loop`: the method drafts, the target verifies the tree in one forward, the accepted
+    path is committed, and the method updates its state. `max_new_tokens` is traced (one program
+    for every bound and prompt length); tokens come back [B, capacity], -1 from num_tokens on."""
+    method = methods.REGISTRY[spec.method]
+    b, capacity = pre.cache.batch_size, pre.cache.capacity
+    max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
+    depth = spec.verify_depth
+    rnd = _round(tparams, tcfg, dparams, dcfg, d2t, spec, sampling, pre.prompt, pre.prompt_lens, capacity)
     screens = {n: llama.head_screen(tparams, tcfg, b * n) if spec.head_screen and sampling.greedy else None
                for n in {spec.slots, spec.verify_slots}}
-
-    tokens = jnp.full((b, max_new_tokens + depth + 1), -1, jnp.int32).at[:, 0].set(root)
+    root = pre.root
+    tokens = jnp.full((b, capacity + depth + 1), -1, jnp.int32).at[:, 0].set(root)
     count = jnp.ones((b,), jnp.int32)
     done = is_eos(root, tcfg.eos_token_ids) | (max_new_tokens <= 1)
     zeros = jnp.zeros((b,), jnp.int32)
@@ -306,5 +356,7 @@ def spec_generate(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcf
         return SpecLoop(tcache, dstate, jnp.where(live, acc.token, s.root), tokens, count, done, key, stats)
 
     s = jax.lax.while_loop(lambda s: jnp.any(~s.done), body,
-                           SpecLoop(out.cache, dstate, root, tokens, count, done, key, stats))
-    return SpecOutput(s.tokens[:, :max_new_tokens], jnp.minimum(s.count, max_new_tokens), s.stats)
+                           SpecLoop(pre.cache, pre.dstate, root, tokens, count, done, pre.key, stats))
+    count = jnp.minimum(s.count, max_new_tokens)
+    kept = jnp.arange(capacity)[None, :] < count[:, None]
+    return SpecOutput(jnp.where(kept, s.tokens[:, :capacity], -1), count, s.stats)

@@ -5,7 +5,8 @@ Layout (Megatron-style tensor parallelism over `model`, data parallelism over `d
 - q/k/v/gate/up kernels [L, in, out] are column-sharded (heads and MLP hidden over `model`),
   o/down kernels [L, in, out] row-sharded; their biases follow the output dimension.
 - token embeddings [V, d] and the LM head [d, V] are sharded over the vocabulary.
-- norms and small drafter pieces (`fc`, additive `inject.w`) are replicated; the fused
+- norms (Qwen3's per-head q/k norms [L, D_h] too: every head shares them) and small drafter
+  pieces (`fc`, additive `inject.w`) are replicated; the fused
   injection MLP is column/row sharded like an MLP.
 - KV caches [L, B, H_kv, S, D_h] over batch (`data`) and KV heads (`model`); prompts, lengths
   and per-sequence loop state over `data`. Everything else is left to XLA's partitioner

@@ -70,12 +70,21 @@ def save_tuned(report: dict, target, drafter, folder: str | None = None) -> str:
     return path
 
 
+# the choices a tuned file may hold, and their types; a damaged file fails here naming it
+TUNED_FIELDS = {"tree_nodes": int, "tree_depth": int, "tree_top_k": int, "lookup_slots": int,
+                "lookup_min_match": int, "reuse": str}
+
+
 def load_tuned(target, drafter, folder: str | None = None) -> dict | None:
+    from hsd_jax.loading.hf import read_json
+
     path = tuned_path(target, drafter, folder)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    report = read_json(path, InputError)
+    if not isinstance(report.get("tree"), dict):
+        raise InputError(f"{path}: damaged tuned choice (no 'tree' object); rerun `hsd tune` or delete the file")
+    return report
 
 
 def tuned_options(method: str, target, drafter, folder: str | None = None) -> dict:
@@ -91,4 +100,9 @@ def tuned_options(method: str, target, drafter, folder: str | None = None) -> di
         opts["lookup_min_match"] = report["lookup_min_match"]
     if method == "hsd" and "reuse" in report:
         opts["reuse"] = report["reuse"]
+    for k, v in opts.items():
+        kind = TUNED_FIELDS.get(k)
+        if kind is None or not isinstance(v, kind) or isinstance(v, bool) or (kind is int and v < k.startswith("tree")):
+            raise InputError(f"{tuned_path(target, drafter, folder)}: damaged tuned choice {k}={v!r}; rerun "
+                             "`hsd tune` or delete the file")
     return opts

@@ -188,7 +188,7 @@ target = hsd_jax.load_target("smollm2-135m", mesh=mesh)   # each process reads o
 - TPU pod slice: `HSD_DISTRIBUTED=auto` on all workers (`gcloud compute tpus tpu-vm ssh NAME --worker=all --command "..."`); JAX finds the workers itself (likewise SLURM and Open MPI).
 - GPU hosts: `HSD_COORDINATOR=host0:8476 HSD_NUM_PROCESSES=N HSD_PROCESS_ID=i` on host i (optionally `HSD_LOCAL_DEVICE_IDS`); the CLI reads the same variables, e.g. `hsd bench --mesh 2x8 ...` on every host.
 - Only process 0 prints and writes files (checkpoints, drafters, bench JSON, tuned trees); training needs its output and data folders on a filesystem every host sees. A wrong process count or an unreachable coordinator fails at start (`HSD_INIT_TIMEOUT_S`, default 300 s); a process that dies ends the others within `HSD_HEARTBEAT_TIMEOUT_S` (default 100 s).
-- `bash benchmarks/multihost.sh` runs two such processes on one CPU machine."""),
+- `bash scripts/multihost.sh` runs two such processes on one CPU machine."""),
 ])
 
 nbf.write(quick, f"{HERE}/quickstart.ipynb")

@@ -23,7 +23,8 @@ one q block (row r = g * N + i), so K/V are never repeated in memory.
 KV block size: the TPU variant takes the largest of 512/256/128 dividing S, else
 one block of the full S (fine for small caches; pick S as a multiple of 128 for
 large ones). The Triton variant takes the largest of 64/32/16 dividing S, else
-zero-pads the cache to a multiple of 64 (a copy per call). The cache is never
+zero-pads the cache to a multiple of 64 (a copy per call); a head size that is not a
+power of two >= 16 (Qwen3's 48, 80...) is zero-padded the same way. The cache is never
 padded on TPU. Slots >= lengths[b] + N may hold any garbage (NaN included for
 the kernels); kv blocks entirely past lengths[b] + N are neither computed nor,
 on TPU, fetched (the index map clamps to the last needed block).
@@ -324,11 +325,16 @@ def _triton_kernel(lengths_ref, q_ref, k_ref, v_ref, anc_ref, o_ref, *, sm_scale
 
 def _tree_attention_triton(q, k_cache, v_cache, lengths, anc, *, sm_scale, block_k, interpret):
     """GPU variant. Triton needs power-of-two tiles >= 16: rows and the ancestor
-    width are padded, Dh is checked, S may be padded (see module doc)."""
+    width are padded, S may be padded (see module doc), and so is Dh (Qwen3-style head sizes
+    such as 48 or 80): zero lanes add nothing to a score and are dropped from the output."""
     b, hq, n, dh = q.shape
     _, hkv, s, _ = k_cache.shape
-    if dh != _next_pow2(dh):
-        raise ValueError(f"triton tree attention needs a power-of-two head_dim, got {dh}")
+    lanes = max(_next_pow2(dh), 16)
+    if dh != lanes:
+        pad = ((0, 0),) * 3 + ((0, lanes - dh),)
+        out = _tree_attention_triton(jnp.pad(q, pad), jnp.pad(k_cache, pad), jnp.pad(v_cache, pad), lengths, anc,
+                                     sm_scale=sm_scale, block_k=block_k, interpret=interpret)
+        return out[..., :dh]
     bk = _triton_block_k(s, block_k)
     if s % bk:
         pad = ((0, 0), (0, 0), (0, _round_up(s, bk) - s), (0, 0))

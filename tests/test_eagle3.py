@@ -17,8 +17,10 @@ TINY = dict(h=H, heads=HEADS, kv=KV, dh=DH, inter=INTER, vocab=VOCAB, vd=VD)
 SMOLLM2 = dict(h=576, heads=9, kv=3, dh=64, inter=64, vocab=49152, vd=256)   # a small MLP keeps the file small
 
 
-def write_eagle3(path, *, dims=TINY, seed=0, aux_ids=None, extra_config=None, drop=(), target_hidden=None):
-    """A random EAGLE-3 drafter directory in the published layout; returns (draft->target ids, tensors)."""
+def write_eagle3(path, *, dims=TINY, seed=0, aux_ids=None, extra_config=None, drop=(), target_hidden=None,
+                 qk_norm=False):
+    """A random EAGLE-3 drafter directory in the published layout; returns (draft->target ids, tensors).
+    qk_norm: the Qwen3-style layer some SpecForge forks write (per-head q/k RMSNorm weights)."""
     from safetensors.numpy import save_file
 
     H, HEADS, KV, DH, INTER, VOCAB, VD = (dims[k] for k in ("h", "heads", "kv", "dh", "inter", "vocab", "vd"))
@@ -38,6 +40,9 @@ def write_eagle3(path, *, dims=TINY, seed=0, aux_ids=None, extra_config=None, dr
         "midlayer.mlp.down_proj.weight": w(H, INTER), "norm.weight": norm(), "lm_head.weight": w(VD, H),
         "d2t": (ids - np.arange(VD)).astype(np.int64), "t2d": t2d,
     }
+    if qk_norm:
+        tensors.update({f"midlayer.self_attn.{k}.weight": (1.0 + 0.3 * rng.standard_normal(DH)).astype(np.float32)
+                        for k in ("q_norm", "k_norm")})
     for k in drop:
         tensors.pop(k)
     config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
@@ -45,6 +50,10 @@ def write_eagle3(path, *, dims=TINY, seed=0, aux_ids=None, extra_config=None, dr
               "num_hidden_layers": 1, "vocab_size": VOCAB, "draft_vocab_size": VD, "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
               "torch_dtype": "float32"}
+    if HEADS * DH != H:
+        config["head_dim"] = DH
+    if qk_norm:
+        config.update(architectures=["Qwen3ForCausalLMEagle3"], model_type="qwen3")
     if target_hidden:
         config["target_hidden_size"] = target_hidden
     if aux_ids is not None:
@@ -69,15 +78,17 @@ def target(target_dir):
     return load_target(target_dir, tokenizer=False, max_cache_len=128)
 
 
-def torch_reference(target_dir, tensors, tokens, root, y, capture):
+def torch_reference(target_dir, tensors, tokens, root, y, capture, dims=TINY, theta=10000.0, eps=1e-5):
     """Draft logits at every prompt position and one tree step deeper, from the published
     architecture in PyTorch: features captured at the inputs of target layers `capture`, fc,
-    [input_layernorm(e(next token)); hidden_norm(g)] into attention with g as residual, MLP,
-    lm_head(norm(h)); the deeper step feeds the last h back with token y."""
+    [input_layernorm(e(next token)); hidden_norm(g)] into attention (per-head q/k RMSNorm before
+    RoPE when the tensors have them) with g as residual, MLP, lm_head(norm(h)); the deeper step
+    feeds the last h back with token y."""
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
     tgt = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    HEADS, KV, DH = dims["heads"], dims["kv"], dims["dh"]
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in tensors.items()}
     ids = torch.tensor([tokens])
     with torch.no_grad():
@@ -87,10 +98,10 @@ def torch_reference(target_dir, tensors, tokens, root, y, capture):
         emb = tgt.model.embed_tokens(torch.cat([nxt, torch.tensor([[y]])], 1))
 
         def rms(x, wt):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * wt
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * wt
 
         def rope(x, pos):   # x [T, heads, Dh], rotate-half
-            inv = 1.0 / (10000.0 ** (torch.arange(0, DH, 2, dtype=torch.float32) / DH))
+            inv = 1.0 / (theta ** (torch.arange(0, DH, 2, dtype=torch.float32) / DH))
             ang = pos[:, None].float() * inv[None]
             cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
             rot = torch.cat([-x[..., DH // 2:], x[..., : DH // 2]], -1)
@@ -101,8 +112,11 @@ def torch_reference(target_dir, tensors, tokens, root, y, capture):
             x = torch.cat([rms(e, t[m + "input_layernorm.weight"]), rms(hidden, t[m + "hidden_norm.weight"])], -1)
             n = x.shape[0]
             pos = torch.arange(n)
-            q = rope((x @ t[m + "self_attn.q_proj.weight"].T).view(n, HEADS, DH), pos)
-            k = rope((x @ t[m + "self_attn.k_proj.weight"].T).view(n, KV, DH), pos)
+            q = (x @ t[m + "self_attn.q_proj.weight"].T).view(n, HEADS, DH)
+            k = (x @ t[m + "self_attn.k_proj.weight"].T).view(n, KV, DH)
+            if m + "self_attn.q_norm.weight" in t:
+                q, k = rms(q, t[m + "self_attn.q_norm.weight"]), rms(k, t[m + "self_attn.k_norm.weight"])
+            q, k = rope(q, pos), rope(k, pos)
             v = (x @ t[m + "self_attn.v_proj.weight"].T).view(n, KV, DH)
             k, v = k.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
             att = torch.einsum("qhd,khd->hqk", q, k) / DH ** 0.5

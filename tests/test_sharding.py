@@ -93,6 +93,33 @@ def check_pallas(report):
     report["pallas_2x4"] = {"ar": ar == ref_ar, "hsd": hsd == ref_hsd, "shard_map": "shard_map" in jaxpr}
 
 
+def check_qwen3(report):
+    """A Qwen3-shaped target (per-head q/k norms with random scales, head_dim 16 != 64 / 8) on a 2x4
+    mesh with Pallas tree attention per shard (hsd's verify): single-device ar's tokens; the head
+    norms (shared by every head) stay whole on every device."""
+    import jax
+    import numpy as np
+
+    from hsd_jax import generate, load_drafter, sharding
+    from tests.helpers import tiny_target
+
+    t = tiny_target(vocab=64, layers=2, heads=8, kv_heads=4, hidden=64, seed=3, head_dim=16, qk_norm=True)
+    layers = dict(t.params["layers"])
+    for i, k in enumerate(("q_norm", "k_norm")):
+        layers[k] = {"scale": 1.0 + 0.5 * jax.random.normal(jax.random.key(i), layers[k]["scale"].shape)}
+    t.params = dict(t.params, layers=layers)
+    d = load_drafter("hsd", target=t, random_init=True)
+    prompts = _prompts(4, 64, seed=2)
+    ref = _ids(generate(t, prompts, max_new_tokens=12))
+    t.config = t.config.replace(attention_impl="pallas")
+    mesh = sharding.make_mesh(2, 4)
+    hsd = _ids(generate(t, prompts, max_new_tokens=12, method="hsd", drafter=d, mesh=mesh, **SPEC))
+    placed = sharding.shard_params(jax.tree.map(np.asarray, t.params), mesh)["layers"]
+    report["qwen3_2x4"] = {"hsd": hsd == ref,
+                           "q_norm_replicated": placed["q_norm"]["scale"].sharding.is_fully_replicated,
+                           "q_proj_split": not placed["q_proj"]["kernel"].sharding.is_fully_replicated}
+
+
 def check_placement(report):
     """Weights and KV caches are split across devices as the rules say."""
     import jax
@@ -255,7 +282,7 @@ def main(checks):
     print(json.dumps(report))
 
 
-CHECKS = {"tiny": (check_generate, check_pallas, check_placement, check_training, check_train_run, check_errors),
+CHECKS = {"tiny": (check_generate, check_pallas, check_qwen3, check_placement, check_training, check_train_run, check_errors),
           "smollm2": (check_smollm2,)}
 
 
@@ -322,6 +349,10 @@ def test_eagle3_on_a_mesh(report):
 
 def test_pallas_attention_runs_per_shard(report):
     assert report["pallas_2x4"] == {"ar": True, "hsd": True, "shard_map": True}
+
+
+def test_qwen3_with_pallas_attention_on_a_mesh(report):
+    assert report["qwen3_2x4"] == {"hsd": True, "q_norm_replicated": True, "q_proj_split": True}
 
 
 def test_weights_and_cache_are_sharded(report):

@@ -226,7 +226,7 @@ def _cfg(tmp_path, data_dir, **kw):
 
 
 @pytest.mark.parametrize("kind", ["hsd", "eagle"])
-def test_training_lowers_loss_and_raises_acceptance(tmp_path, tiny, tiny_data, kind):
+def test_training_lowers_loss_and_raises_acceptance(tmp_path, tiny, tiny_data, kind, monkeypatch):
     cfg = _cfg(tmp_path, tiny_data, kind=kind)
     final = train(cfg, target=tiny, progress=False, log=lambda *_: None)
     metrics = json.load(open(os.path.join(cfg.out_dir, "metrics.json")))
@@ -244,6 +244,22 @@ def test_training_lowers_loss_and_raises_acceptance(tmp_path, tiny, tiny_data, k
     res = generate(tiny, prompt, max_new_tokens=24, method=kind, drafter=dr, tree_nodes=6, tree_depth=3,
                    tree_top_k=2)[0]
     assert res.token_ids == ref.token_ids and res.stats["tau"] > 1.1
+
+    # shipping it: no file of the package copy names a directory of this machine (the run's, the data's)
+    from hsd_jax.train import ship
+
+    params = os.path.join(cfg.out_dir, "drafter", "params")
+    assert not os.path.exists(os.path.join(params, "commit_success.txt"))  # save_drafter left Orbax's marker out
+    with open(os.path.join(params, "commit_success.txt"), "w") as f:         # as drafters saved before wrote it
+        f.write(f"Checkpoint commit was successful to {os.path.abspath(params)}")
+    monkeypatch.setattr(ship, "SHIPPED_DRAFTERS", str(tmp_path / "package"))
+    dst = ship.ship(cfg.out_dir, "tiny", kind, config_path="configs/train/x.yaml", command="hsd train")
+    for dirpath, _, files in os.walk(dst):
+        for name in files:
+            data = open(os.path.join(dirpath, name), "rb").read()
+            assert str(tmp_path).encode() not in data and tiny_data.encode() not in data, name
+    shipped = load_drafter(kind, dst, target=tiny).params
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), shipped, dr.params)))
 
 
 def test_eagle3_training_lowers_loss_serves_losslessly_and_exports(tmp_path, tiny, tiny_data):
@@ -507,3 +523,108 @@ def test_init_from_starts_where_the_given_drafter_ended(tmp_path, tiny, tiny_dat
     with pytest.raises(ConfigError, match=r"differs in \['injection'\]"):
         train(_cfg(tmp_path, tiny_data, steps=2, injection="additive", init_from=drafter_dir, out_dir=str(tmp_path / "i")),
               target=tiny, progress=False, log=lambda *_: None)
+
+
+def test_bf16_matmul_inputs_in_forward_and_gradients():
+    """`matmul_inputs`: both matmuls of the backward pass run on bf16 inputs too (JAX's own transpose of a
+    mixed dot would run them in f32), accumulating in f32; outside the context nothing changes."""
+    from hsd_jax.models.layers import matmul, matmul_inputs
+
+    kx, kw = jax.random.split(jax.random.key(0))
+    x, w = jax.random.normal(kx, (3, 5, 16)), jax.random.normal(kw, (16, 8))
+    loss = lambda x, w: jnp.sum(jnp.sin(matmul(x, w)))
+    ref, ref_grads = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
+    np.testing.assert_allclose(ref, jnp.sum(jnp.sin(x @ w)), rtol=1e-6)
+
+    def mixed(x, w):
+        with matmul_inputs(jnp.bfloat16):
+            return loss(x, w)
+    val, (gx, gw) = jax.jit(jax.value_and_grad(mixed, (0, 1)))(x, w)
+    assert "bf16" in jax.jit(jax.grad(mixed)).lower(x, w).as_text()
+    b16 = lambda a: a.astype(jnp.bfloat16)
+    y = jnp.dot(b16(x), b16(w), preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(val, jnp.sum(jnp.sin(y)), rtol=1e-5)
+    gy = jnp.cos(y)
+    np.testing.assert_allclose(gx, jnp.dot(b16(gy), b16(w).T, preferred_element_type=jnp.float32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw, jnp.dot(b16(x).reshape(-1, 16).T, b16(gy).reshape(-1, 8),
+                                           preferred_element_type=jnp.float32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gx, ref_grads[0], rtol=0.05, atol=0.1)   # f32's gradients within bf16 rounding
+    assert not np.array_equal(np.asarray(gx), np.asarray(ref_grads[0]))
+
+
+def test_text_rows_train_on_the_target_s_own_labels(tmp_path, tiny, tiny_data):
+    """`hsd data text` rows (text the target did not write): the feature cache adds the target's greedy next
+    token at every position, batches carry it, the loss drafts it; their held-out rows are never evaluated."""
+    from hsd_jax.train import losses
+    from hsd_jax.train.data import has_target_labels, shard_paths, write_text_data
+    from hsd_jax.train.features import _features, build_feature_cache, cache_complete, label_path
+    from hsd_jax.train.trainer import SequenceData
+    from tests.helpers import jax_logits
+
+    rng = np.random.default_rng(5)
+    pairs = [(rng.integers(0, 64, 6).tolist(), rng.integers(0, 64, int(rng.integers(10, 30))).tolist())
+             for _ in range(40)]
+    text, cache = str(tmp_path / "text"), str(tmp_path / "cache")
+    assert write_text_data(tiny, pairs, text, shard_size=16, progress=False) == sum(len(r) for _, r in pairs)
+    shards = shard_paths(text)
+    assert len(shards) == 3 and all(has_target_labels(s) for s in shards)
+    assert not has_target_labels(shard_paths(tiny_data)[0])
+    assert not cache_complete(text, cache)
+    for d in (tiny_data, text):
+        build_feature_cache(tiny, d, cache, progress=False)
+        assert cache_complete(d, cache)
+    assert not os.path.exists(label_path(cache, shard_paths(tiny_data)[0]))
+    with np.load(shards[0]) as z:
+        row, n = z["tokens"][0], int(z["lengths"][0])
+    lab = np.load(label_path(cache, shards[0]))
+    np.testing.assert_array_equal(lab[0, :n], np.argmax(jax_logits(tiny.params, tiny.config, row[None, :n])[0], -1))
+
+    data = SequenceData([tiny_data, text], cache, 40, 0.15, seed=0)
+    assert set(data.holdout) == set(SequenceData(tiny_data, cache, 40, 0.15, seed=0).holdout)  # text: none held out
+    assert len(data.train) == (96 - 14) + (40 - 6)
+    own = next(r for r in data.train if r < 96)
+    other = next(r for r in data.train if r >= 96)
+    b = data.batch(np.array([own, other]))
+    toks, _, i, _, _, lmm = data.rows[other]
+    start = max(0, len(toks) - 40)
+    np.testing.assert_array_equal(np.asarray(b.labels[1, : len(toks) - start]), lmm[i, start: len(toks)])
+    mine = data.rows[own][0][-40:]
+    np.testing.assert_array_equal(np.asarray(b.labels[0, : len(mine) - 1]), mine[1:])
+    got = np.asarray(losses.train_labels(b))
+    np.testing.assert_array_equal(got[0, : len(mine) - 2], mine[2:])   # the data's x_{q+2} where the target wrote it
+    np.testing.assert_array_equal(got[1, : len(toks) - start - 1], lmm[i, start + 1: len(toks)])
+
+    with pytest.raises(ConfigError, match="built with float32 matmul inputs"):
+        build_feature_cache(tiny, text, cache, matmul_dtype="bfloat16", progress=False)
+    f32, _, _ = _features(tiny.params, tiny.config, jnp.asarray(row[None, :16]))
+    b16, _, _ = _features(tiny.params, tiny.config, jnp.asarray(row[None, :16]), jnp.bfloat16)
+    err = float(jnp.sqrt(jnp.mean(jnp.square(b16.astype(jnp.float32) - f32.astype(jnp.float32)))))
+    assert 0 < err < 0.05 * float(jnp.sqrt(jnp.mean(jnp.square(f32.astype(jnp.float32)))))
+
+
+def test_a_run_in_chunks_and_continued_on_a_new_machine(tmp_path, tiny, tiny_data):
+    """`until_step` stops a run without changing its schedule; the curve (history.jsonl) spans the chunks;
+    `start_step` continues the schedule from an exported drafter alone (a committed campaign state)."""
+    import dataclasses
+
+    quiet = dict(target=tiny, progress=False, log=lambda *_: None)
+    cfg = _cfg(tmp_path, tiny_data, steps=60, draft_vocab_size=16, compute_dtype="bfloat16")
+    first = train(cfg, until_step=25, **quiet)
+    assert first["step"] == 25 and _latest_step(os.path.join(cfg.out_dir, "checkpoints")) == 25
+    second = train(cfg, **quiet)
+    assert second["step"] == 60 and second["loss_last"] < first["loss_first"]
+    curve = [json.loads(line)["step"] for line in open(os.path.join(cfg.out_dir, "history.jsonl"))]
+    assert curve == [0, 25, 60]
+    assert [h["step"] for h in json.load(open(os.path.join(cfg.out_dir, "metrics.json")))["history"]] == [0, 25]
+    with pytest.raises(ConfigError, match="nothing to do"):
+        train(cfg, **quiet)
+
+    cont = dataclasses.replace(cfg, out_dir=str(tmp_path / "cont"), init_from=os.path.join(cfg.out_dir, "drafter"),
+                               start_step=25)
+    third = train(cont, until_step=40, **quiet)
+    assert third["step"] == 40
+    assert [json.loads(line)["step"] for line in open(os.path.join(cont.out_dir, "history.jsonl"))] == [40]
+    with pytest.raises(ConfigError, match="start_step"):
+        _cfg(tmp_path, tiny_data, start_step=5)
+    with pytest.raises(ConfigError, match="compute_dtype"):
+        _cfg(tmp_path, tiny_data, compute_dtype="float16")

@@ -86,6 +86,7 @@ KERNEL_CASES = [
     (1, 256, 3, 128, "chain", jnp.bfloat16),
     (16, 256, 3, 64, "random", jnp.bfloat16),
     (5, 200, 1, 128, "random", jnp.bfloat16),
+    (5, 200, 3, 48, "random", jnp.float32),      # a head size that is not a power of two (Qwen3-style)
 ]
 
 
@@ -181,17 +182,20 @@ def test_block_k_must_divide_cache():
         tree_attention(*args, impl="pallas", block_k=128)
 
 
-def _abstract_args(dtype):
-    shapes = [(2, 8, 16, 128), (2, 2, 1024, 128), (2, 2, 1024, 128)]
+def _abstract_args(dtype, dh=128):
+    shapes = [(2, 8, 16, dh), (2, 2, 1024, dh), (2, 2, 1024, dh)]
     return ([jax.ShapeDtypeStruct(s, dtype) for s in shapes]
             + [jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 16), jnp.int32)])
 
 
-def test_triton_variant_lowers_for_cuda():
-    """Pallas -> Triton IR lowering (PTX compilation needs a GPU and is not checked)."""
+@pytest.mark.parametrize("dh", [128, 48])
+def test_triton_variant_lowers_for_cuda(dh):
+    """Pallas -> Triton IR lowering (PTX compilation needs a GPU and is not checked); a head size
+    that is not a power of two (Qwen3-style 48) lowers through its zero-padded lanes."""
     fn = jax.jit(functools.partial(tree_attention_pallas, variant="triton", interpret=False))
     check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    jax.export.export(fn, platforms=["cuda"], disabled_checks=[check])(*_abstract_args(jnp.bfloat16))
+    exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=[check])(*_abstract_args(jnp.bfloat16, dh))
+    assert exp.out_avals[0].shape == (2, 8, 16, dh)
 
 
 def test_tpu_variant_lowers_to_mosaic(monkeypatch):

@@ -3,7 +3,7 @@ and the LM head's bf16 screen; the feature drafters' layer and draft head run th
 
 Inside the layer `lax.scan`, XLA:CPU copies each layer's weight matrices out of the stacked
 [L, d, f] arrays before its GEMM whenever a forward has 2+ rows: as much time as the products
-(BENCHMARKS.md, "Op by op"). `stacked_matmul.cc` is an XLA FFI handler that reads a layer's
+(BENCHMARKS.md, "Why the CPU kernels"). `stacked_matmul.cc` is an XLA FFI handler that reads a layer's
 weights in place from a pre-packed copy ([L, f / 32, d, 32]: every 32-column tile contiguous,
 streamed in order), each weight once for all rows. The engine uses it for every Dense of the
 target's layers when `enabled()`: f32 on the CPU, no mesh, a forward of at most MAX_ROWS rows;

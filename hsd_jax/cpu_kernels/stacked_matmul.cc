@@ -1,6 +1,6 @@
 // y[N, f] = x[N, d] @ w[layer] for the target's stacked layer weights, read in place (hsd_jax.cpu_kernels).
 // XLA:CPU copies a layer's weights out of the [L, d, f] stack before its GEMM when N > 1 (BENCHMARKS.md,
-// "Op by op"); this XLA FFI handler reads them where they are, each weight once for all N rows, from
+// "Why the CPU kernels"); this XLA FFI handler reads them where they are, each weight once for all N rows, from
 // the plain [L, d, f] layout or, streamed in order, from [L, f / 32, d, 32] (f32, or bf16 widened exactly). Threads: XLA's intra-op pool.
 // Rows whose `active` flag is 0 are skipped and come out 0 (a verify narrower than its static shape).
 #include <algorithm>

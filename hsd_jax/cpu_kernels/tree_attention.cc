@@ -1,6 +1,6 @@
 // Decode and verify attention over the target's stacked KV cache, read in place (hsd_jax.cpu_kernels).
 // XLA:CPU copies a layer's [B, Hkv, S, Dh] cache out of the [L, ...] stack, transposes it and scores all
-// S slots (BENCHMARKS.md, "The tree attention and the head screen as kernels too"); this XLA FFI handler
+// S slots (BENCHMARKS.md, "Why the CPU kernels"); this XLA FFI handler
 // reads only the slots a query can see: the committed prefix [0, lengths[b]) and the new tokens
 // [lengths[b], lengths[b] + N) that are its ancestors (or itself) in the draft tree. A chain (N = 1
 // included) is causal attention. One task per (sequence, query head): K and V of its kv head are

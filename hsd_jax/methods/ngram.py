@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from hsd_jax.config import InputError
+from hsd_jax.config import InputError, from_json
 from hsd_jax.loading.errors import ModelLoadError
 from hsd_jax.methods.base import Draft, DrafterKind, Method
 from hsd_jax.models import ngram
@@ -34,7 +34,7 @@ def update(rnd, state: State, drft: Draft, acc, vout, live):
 
 
 def _random(target, seed: int, **overrides):
-    cfg = NgramConfig(vocab_size=target.config.vocab_size, **overrides)
+    cfg = NgramConfig(**dict(dict(vocab_size=target.config.vocab_size), **overrides))
     rng = np.random.default_rng(seed)
     params = {"next_tokens": rng.integers(0, cfg.vocab_size, (cfg.vocab_size, cfg.top_k), dtype=np.int32),
               "next_logp": np.tile(-np.arange(1, cfg.top_k + 1, dtype=np.float32), (cfg.vocab_size, 1))}
@@ -55,5 +55,5 @@ def _check(d, spec):
 
 
 METHOD = Method("ngram", "the free bigram-table floor (hsd data ngram builds the table)",
-                init, draft, update, DrafterKind(lambda raw: NgramConfig(**raw), _random, _finish,
+                init, draft, update, DrafterKind(lambda raw: from_json(NgramConfig, raw), _random, _finish,
                                                  has_draft_vocab=False), check=_check)

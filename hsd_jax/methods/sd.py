@@ -7,11 +7,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hsd_jax.cache import KVCache, advance, at_offset, init_cache
-from hsd_jax.config import ConfigError, ModelConfig, RopeScaling
+from hsd_jax.cache import KVCache, advance, at_offset
+from hsd_jax.config import ConfigError, ModelConfig, from_json
 from hsd_jax.methods.base import Draft, DrafterKind, Method
 from hsd_jax.models import llama
-from hsd_jax.models.layers import jnp_dtype
 from hsd_jax.sampling import sample_from_probs, target_probs
 from hsd_jax.tree import chain_tree
 
@@ -43,10 +42,7 @@ def sample_chain(dparams, dcfg: ModelConfig, cache: KVCache, root_tokens, key, g
 
 
 def init(rnd, prefill_out, root) -> State:
-    b = rnd.batch
-    dcfg = rnd.dcfg
-    cache = init_cache(dcfg.num_layers, b, dcfg.num_kv_heads, rnd.capacity, dcfg.head_dim, jnp_dtype(rnd.tcfg))
-    _, out = llama.prefill(rnd.dparams, dcfg, rnd.prompt_tokens, rnd.prompt_lens, cache)
+    _, out = llama.prefill_new_cache(rnd.dparams, rnd.dcfg, rnd.prompt_tokens, rnd.prompt_lens, rnd.capacity)
     return State(out.cache)
 
 
@@ -67,9 +63,7 @@ def update(rnd, state: State, drft: Draft, acc, vout, live):
 
 
 def _config(raw: dict) -> ModelConfig:
-    if isinstance(raw.get("rope_scaling"), dict):
-        raw = dict(raw, rope_scaling=RopeScaling(**raw["rope_scaling"]))
-    return ModelConfig(**raw)
+    return from_json(ModelConfig, raw)
 
 
 def _random(target, seed: int, **overrides):

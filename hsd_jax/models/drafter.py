@@ -23,7 +23,7 @@ import numpy as np
 from hsd_jax import cpu_kernels
 from hsd_jax.config import ModelConfig, _require
 from hsd_jax.models import llama
-from hsd_jax.models.layers import init_program, rms_norm
+from hsd_jax.models.layers import init_program, matmul, rms_norm
 
 KINDS = ("hsd", "eagle")
 INJECTIONS = ("fused", "additive")
@@ -139,7 +139,7 @@ def draft_logits(view: TargetView, h: jax.Array) -> jax.Array:
     if view.packed_head is not None and rows <= cpu_kernels.MAX_ROWS:
         out = cpu_kernels.stacked_matmul(h.reshape(rows, h.shape[-1]), view.packed_head, 0)
         return out.reshape(*h.shape[:-1], out.shape[-1])
-    return jnp.einsum("...d,dv->...v", h, view.head.astype(jnp.float32))
+    return matmul(h, view.head.astype(jnp.float32))
 
 
 def target_to_draft(d2t, vocab_size: int) -> np.ndarray:
@@ -163,8 +163,8 @@ def fused_readout_params(key: jax.Array, n_in: int, hidden: int, d: int) -> dict
 def fused_readout(p: dict, g: jax.Array, tokens: list, scale: float) -> jax.Array:
     """g + scale * MLP([rms g; tokens...]): the read-out's view of the draft token(s) (unit-RMS
     embeddings), added to the drafter's state before the head."""
-    hid = jax.nn.silu(jnp.concatenate([_unit_rms(g), *tokens], -1) @ p["w1"] + p["b1"])
-    return g + scale * (hid @ p["w2"])
+    hid = jax.nn.silu(matmul(jnp.concatenate([_unit_rms(g), *tokens], -1), p["w1"]) + p["b1"])
+    return g + scale * matmul(hid, p["w2"])
 
 
 @init_program("cfg")
@@ -197,7 +197,7 @@ def readout(params: dict, cfg: DrafterConfig, view: TargetView, g: jax.Array, to
             _unit_rms(jnp.take(view.embedding, context[..., i], axis=0)) for i in range(cfg.readout_context - 1)]
         gf = fused_readout(params["inject"], gf, [e, *more], cfg.feature_rms)
     elif cfg.kind == "hsd":
-        gf = gf + cfg.feature_rms * (e @ params["inject"]["w"])
+        gf = gf + cfg.feature_rms * matmul(e, params["inject"]["w"])
     return draft_logits(view, rms_norm(gf, view.norm_scale, cfg.rms_norm_eps))
 
 
@@ -205,14 +205,14 @@ def input_features(params: dict, cfg: DrafterConfig, last: jax.Array, aux: jax.A
     """HSD z for true target features: the last layer's, or FC over the configured layers [..., d]."""
     if not cfg.feature_layers:
         return last
-    return jnp.concatenate(list(aux), -1) @ params["fc"]["kernel"]
+    return matmul(jnp.concatenate(list(aux), -1), params["fc"]["kernel"])
 
 
 def eagle_inputs(params: dict, cfg: DrafterConfig, view: TargetView, feats: jax.Array,
                  next_tokens: jax.Array) -> jax.Array:
     """EAGLE z_q = FC([f_q; c * rms e(x_{q+1})])."""
     e = cfg.feature_rms * _unit_rms(jnp.take(view.embedding, next_tokens, axis=0))
-    return jnp.concatenate([feats.astype(jnp.float32), e], -1) @ params["fc"]["kernel"]
+    return matmul(jnp.concatenate([feats.astype(jnp.float32), e], -1), params["fc"]["kernel"])
 
 
 def run_layers(params: dict, cfg: DrafterConfig, z, positions, cache, parents=None):

@@ -11,6 +11,11 @@ tree, its own previous output h) and the embedding of token x_{q+1}:
 
 The fused features are the inputs of target layers 2, L//2 and L-3 (outputs of layers 1, L//2-1,
 L-4); a config's `eagle_config.eagle_aux_hidden_state_layer_ids` names layer outputs directly.
+
+Drafters for Qwen3 targets in this format (e.g. SpecForge's qwen3 configs) are this same LLaMA layer,
+with a head_dim that need not be hidden / heads (read from config.json; the cache and RoPE use it). Some SpecForge
+forks write a Qwen3-style layer (`Qwen3ForCausalLMEagle3`): the same keys plus per-head q/k RMSNorms
+(`midlayer.self_attn.q_norm` / `k_norm`), applied before RoPE when the checkpoint has them.
 """
 from __future__ import annotations
 
@@ -23,12 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsd_jax.cache import KVCache, write_layer
-from hsd_jax.config import ConfigError, ModelConfig, RopeScaling, _require
-from hsd_jax.loading.errors import ModelLoadError
-from hsd_jax.models.layers import apply_rope, init_program, rms_norm, rope_inv_freq
+from hsd_jax.config import ConfigError, ModelConfig, RopeScaling, _require, from_json, json_repr
+from hsd_jax.loading.errors import ModelLoadError, reading
+from hsd_jax.models.layers import apply_rope, init_program, matmul, rms_norm, rope_inv_freq
 
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLMEagle3")
+# config.json switches of EAGLE-3 variants whose layer differs from the one implemented here
+UNSUPPORTED_SWITCHES = ("fc_norm", "norm_output", "norm_before_residual")
 LAYER_KEYS = ("hidden_norm", "input_layernorm", "post_attention_layernorm")
+QK_NORMS = ("q_norm", "k_norm")
+INDEX_TENSORS = ("d2t", "t2d")   # integer / boolean vocabulary maps beside the float weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +57,7 @@ class Eagle3Config:
     rope_scaling: RopeScaling = RopeScaling()
     rms_norm_eps: float = 1e-5
     own_embedding: bool = False          # the checkpoint carries embed_tokens (else the target's)
+    qk_norm: bool = False                # per-head RMSNorm on q and k before RoPE (Qwen3-style layer)
     readout: str = "plain"               # "fused": EAGLE-1's read-out MLP over [h; e(x_{q+1})] before the head
     #                                      (an ablation of the token path, outside the published format)
     readout_scale: float = 1.0           # scale of the fused read-out's term (the target features' RMS)
@@ -120,6 +130,8 @@ def init_params(cfg: Eagle3Config, key: jax.Array, std: float = 0.05) -> dict:
     ones = lambda: {"scale": jnp.ones((h,))}
     mid = {k: ones() for k in LAYER_KEYS}
     mid.update({k: w[k] for k in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    if cfg.qk_norm:
+        mid.update({k: {"scale": jnp.ones((cfg.head_dim,))} for k in QK_NORMS})
     mid["mlp"] = {k: w[k] for k in ("gate_proj", "up_proj", "down_proj")}
     params = {"fc": w["fc"], "midlayer": mid, "norm": ones(), "lm_head": w["lm_head"]}
     if cfg.readout == "fused":   # zero output layer: starts as the plain read-out
@@ -132,7 +144,7 @@ def init_params(cfg: Eagle3Config, key: jax.Array, std: float = 0.05) -> dict:
 def fuse(params: dict, aux: jax.Array) -> jax.Array:
     """g = fc([low; mid; high]) from the target's layer outputs aux [3, ..., H_target]."""
     w = params["fc"]["kernel"]
-    return jnp.concatenate(list(aux), -1).astype(w.dtype) @ w
+    return matmul(jnp.concatenate(list(aux), -1).astype(w.dtype), w)
 
 
 def project(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, positions: jax.Array):
@@ -143,9 +155,12 @@ def project(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, 
     x = jnp.concatenate([rms_norm(emb, p["input_layernorm"]["scale"], cfg.rms_norm_eps),
                          rms_norm(hidden, p["hidden_norm"]["scale"], cfg.rms_norm_eps)], -1).astype(dt)
     inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    heads = lambda name, n: (x @ p[name]["kernel"]).reshape(b, t, n, cfg.head_dim)
-    q = apply_rope(heads("q_proj", cfg.num_heads), positions, inv).transpose(0, 2, 1, 3)
-    return q, apply_rope(heads("k_proj", cfg.num_kv_heads), positions, inv), heads("v_proj", cfg.num_kv_heads)
+    heads = lambda name, n: matmul(x, p[name]["kernel"]).reshape(b, t, n, cfg.head_dim)
+    q, k = heads("q_proj", cfg.num_heads), heads("k_proj", cfg.num_kv_heads)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"]["scale"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"]["scale"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv).transpose(0, 2, 1, 3)
+    return q, apply_rope(k, positions, inv), heads("v_proj", cfg.num_kv_heads)
 
 
 def finish(params: dict, cfg: Eagle3Config, hidden: jax.Array, attn: jax.Array) -> jax.Array:
@@ -153,10 +168,11 @@ def finish(params: dict, cfg: Eagle3Config, hidden: jax.Array, attn: jax.Array) 
     p = params["midlayer"]
     dt = p["q_proj"]["kernel"].dtype
     b, t, _ = hidden.shape
-    h = hidden.astype(dt) + attn.transpose(0, 2, 1, 3).reshape(b, t, -1).astype(dt) @ p["o_proj"]["kernel"]
+    h = hidden.astype(dt) + matmul(attn.transpose(0, 2, 1, 3).reshape(b, t, -1).astype(dt), p["o_proj"]["kernel"])
     m = p["mlp"]
     y = rms_norm(h, p["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
-    return h + (jax.nn.silu(y @ m["gate_proj"]["kernel"]) * (y @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
+    return h + matmul(jax.nn.silu(matmul(y, m["gate_proj"]["kernel"])) * matmul(y, m["up_proj"]["kernel"]),
+                      m["down_proj"]["kernel"])
 
 
 def layer(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, positions: jax.Array,
@@ -184,7 +200,7 @@ def logits(params: dict, cfg: Eagle3Config, h: jax.Array, emb: jax.Array | None 
 
         h = fused_readout(params["inject"], h.astype(jnp.float32), [_unit_rms(emb)], cfg.readout_scale)
     y = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps).astype(jnp.float32)
-    return y @ params["lm_head"]["kernel"].astype(jnp.float32)
+    return matmul(y, params["lm_head"]["kernel"].astype(jnp.float32))
 
 
 def embedding(params: dict, target_embedding: jax.Array) -> jax.Array:
@@ -202,35 +218,44 @@ def is_published_dir(path: str) -> bool:
 
 def published_config(d: dict, target_cfg: ModelConfig, source: str) -> Eagle3Config:
     archs = d.get("architectures") or []
-    if archs and not set(archs) & set(ARCHITECTURES):
+    if not isinstance(archs, list):
+        raise ModelLoadError(f"{source}: architectures must be a list, got {json_repr(archs)}")
+    if archs and not set(map(str, archs)) & set(ARCHITECTURES):
         raise ModelLoadError(f"{source}: architectures {archs} is not an EAGLE-3 drafter ({', '.join(ARCHITECTURES)})")
+    switched = [k for k in UNSUPPORTED_SWITCHES if d.get(k)]
+    if switched:
+        raise ModelLoadError(f"{source}: {switched[0]}: true is an EAGLE-3 variant whose layer is not supported "
+                             "(only the published EAGLE-3 layer is)")
     if d.get("num_hidden_layers", 1) != 1:
         raise ModelLoadError(f"{source}: an EAGLE-3 drafter has one decoder layer, config says "
                              f"num_hidden_layers={d.get('num_hidden_layers')}")
-    ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    layers = tuple(int(i) for i in ids) if ids else Eagle3Config.default_layers(target_cfg.num_layers)
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     try:
-        heads = d["num_attention_heads"]
-        return Eagle3Config(
-            hidden_size=d["hidden_size"], num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads, intermediate_size=d["intermediate_size"],
+        eagle = d.get("eagle_config") or {}
+        if not isinstance(eagle, dict):
+            raise ConfigError(f"eagle_config must be a JSON object, got {json_repr(eagle)}")
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        rope = d.get("rope_parameters") or d.get("rope_scaling")
+        heads, hidden = d["num_attention_heads"], d["hidden_size"]
+        head_dim = d.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                         and heads > 0 else None)
+        return from_json(Eagle3Config, dict(
+            hidden_size=hidden, num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=head_dim, intermediate_size=d["intermediate_size"],
             vocab_size=d["vocab_size"], draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
-            target_hidden_size=d.get("target_hidden_size") or d["hidden_size"], feature_layers=layers,
-            rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=RopeScaling.from_hf(rope), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)))
+            target_hidden_size=d.get("target_hidden_size") or hidden,
+            feature_layers=ids if ids else Eagle3Config.default_layers(target_cfg.num_layers),
+            rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=RopeScaling.from_hf(rope), rms_norm_eps=d.get("rms_norm_eps", 1e-6)), "config.json")
     except KeyError as e:
         raise ModelLoadError(f"{source}: config.json lacks the field {e.args[0]!r}") from None
-    except ValueError as e:   # ConfigError included
+    except (ConfigError, AttributeError) as e:
         raise ModelLoadError(f"{source}: {e}") from None
 
 
 def load_published(path: str, target_cfg: ModelConfig) -> tuple[dict, Eagle3Config, np.ndarray]:
     """(params, config, d2t as draft id -> target id) from a published EAGLE-3 directory.
     Reads safetensors only: a pickle checkpoint is refused with a conversion route."""
-    from safetensors import safe_open
-
-    from hsd_jax.loading.hf import has_pickle_weights, read_json
+    from hsd_jax.loading.hf import has_pickle_weights, open_safetensors, read_json, read_tensor
 
     source = os.path.join(path, "config.json")
     raw = read_json(source)
@@ -243,8 +268,10 @@ def load_published(path: str, target_cfg: ModelConfig) -> tuple[dict, Eagle3Conf
                 "import save_file; save_file(torch.load('pytorch_model.bin', weights_only=True), "
                 "'model.safetensors')\"")
         raise ModelLoadError(f"{path}: no model.safetensors")
-    with safe_open(weights, framework="numpy") as f:
-        tensors = {k.removeprefix("model."): f.get_tensor(k) for k in f.keys()}
+    f = open_safetensors(weights)
+    with reading(weights, "tensor unreadable"):
+        tensors = {k.removeprefix("model."): (f.get_tensor(k) if k.removeprefix("model.") in INDEX_TENSORS
+                                              else read_tensor(f, weights, k)) for k in f.keys()}
     cfg = published_config(raw, target_cfg, source)
 
     def get(name, shape=None):
@@ -260,6 +287,10 @@ def load_published(path: str, target_cfg: ModelConfig) -> tuple[dict, Eagle3Conf
     lin = lambda name, out, inp: {"kernel": np.ascontiguousarray(get(name + ".weight", (out, inp)).astype(np.float32).T)}
     norm = lambda name: {"scale": get(name + ".weight", (h,)).astype(np.float32)}
     mid = {k: norm("midlayer." + k) for k in LAYER_KEYS}
+    if "midlayer.self_attn.q_norm.weight" in tensors or "Qwen3ForCausalLMEagle3" in (raw.get("architectures") or ()):
+        mid.update({k: {"scale": get(f"midlayer.self_attn.{k}.weight", (cfg.head_dim,)).astype(np.float32)}
+                    for k in QK_NORMS})
+        cfg = dataclasses.replace(cfg, qk_norm=True)
     mid.update(q_proj=lin("midlayer.self_attn.q_proj", hq, 2 * h), k_proj=lin("midlayer.self_attn.k_proj", hkv, 2 * h),
                v_proj=lin("midlayer.self_attn.v_proj", hkv, 2 * h), o_proj=lin("midlayer.self_attn.o_proj", h, hq),
                mlp={n: lin("midlayer.mlp." + n, *s) for n, s in
@@ -270,7 +301,10 @@ def load_published(path: str, target_cfg: ModelConfig) -> tuple[dict, Eagle3Conf
         params["embed_tokens"] = {"embedding": get("embed_tokens.weight", (cfg.vocab_size, h)).astype(np.float32)}
         cfg = dataclasses.replace(cfg, own_embedding=True)
     if "d2t" in tensors:
-        offsets = get("d2t", (cfg.vd,)).astype(np.int64)
+        offsets = get("d2t", (cfg.vd,))
+        if not np.issubdtype(offsets.dtype, np.integer):
+            raise ModelLoadError(f"{weights}: d2t has dtype {offsets.dtype}; it holds integer id offsets")
+        offsets = offsets.astype(np.int64)
         d2t = np.arange(cfg.vd, dtype=np.int64) + offsets
     elif cfg.vd == cfg.vocab_size:
         d2t = np.arange(cfg.vd, dtype=np.int64)
@@ -305,10 +339,13 @@ def export_published(params: dict, cfg: Eagle3Config, d2t, path: str, dtype: str
     tensors.update({f"midlayer.self_attn.{k}.weight": out_in(mid[k]["kernel"])
                     for k in ("q_proj", "k_proj", "v_proj", "o_proj")})
     tensors.update({f"midlayer.mlp.{k}.weight": out_in(v["kernel"]) for k, v in mid["mlp"].items()})
+    if cfg.qk_norm:
+        tensors.update({f"midlayer.self_attn.{k}.weight": mid[k]["scale"].astype(np_dtype) for k in QK_NORMS})
     if "embed_tokens" in host:
         tensors["embed_tokens.weight"] = host["embed_tokens"]["embedding"].astype(np_dtype)
     rope = dataclasses.asdict(cfg.rope_scaling)
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": cfg.hidden_size,
+    arch, mtype = ("Qwen3ForCausalLMEagle3", "qwen3") if cfg.qk_norm else ("LlamaForCausalLMEagle3", "llama")
+    config = {"architectures": [arch], "model_type": mtype, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
               "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1, "vocab_size": cfg.vocab_size,
               "draft_vocab_size": cfg.vd, "target_hidden_size": cfg.target_hidden_size,

@@ -1,6 +1,9 @@
-"""Building blocks shared by the target model and the drafters: RMSNorm, RoPE, SwiGLU."""
+"""Building blocks shared by the target model and the drafters: RMSNorm, RoPE, SwiGLU, and the
+matmul that training can run on bf16 inputs (`matmul_inputs`)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -10,6 +13,64 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsd_jax.config import ModelConfig, RopeScaling
+
+_MATMUL_INPUTS = contextvars.ContextVar("hsd_matmul_inputs", default=None)
+
+
+@contextlib.contextmanager
+def matmul_inputs(dtype):
+    """While tracing inside this context, `dot_general` and `matmul` cast both operands of every f32
+    matmul to `dtype` (bfloat16) and accumulate in f32: mixed precision for training with f32 master
+    weights, f32 norms, softmaxes and losses. On the CPU, XLA runs bf16 x bf16 -> f32 dots with
+    AVX-512 BF16 (~2x f32's GFLOP/s here) but bf16 -> bf16 dots no faster than f32, so the output
+    stays f32. None: a no-op (the default everywhere else)."""
+    token = _MATMUL_INPUTS.set(None if dtype is None else jnp.dtype(dtype))
+    try:
+        yield
+    finally:
+        _MATMUL_INPUTS.reset(token)
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
+    """`lax.dot_general`, but an f32 `x @ w` (x's last axis against w's first, as Dense computes it)
+    runs on `matmul_inputs`' dtype when that context is set."""
+    dt = _MATMUL_INPUTS.get()
+    plain = dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ())) and rhs.ndim == 2
+    if dt is None or not plain or lhs.dtype != jnp.float32 or rhs.dtype != jnp.float32:
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision,
+                                   preferred_element_type=preferred_element_type, **kw)
+    return _mixed_matmul(lhs, rhs, dt)
+
+
+def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ b` for b [k, n], per `matmul_inputs`."""
+    return dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())))
+
+
+def _low_dot(a, b, dt, dims):
+    return jax.lax.dot_general(a.astype(dt), b.astype(dt), (dims, ((), ())), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _mixed_matmul(x, w, dt):
+    """x [..., k] @ w [k, n] on dt inputs with f32 accumulation, forward and backward: JAX's own
+    transpose of a mixed dot would run the two gradient matmuls in f32."""
+    return _low_dot(x, w, dt, ((x.ndim - 1,), (0,)))
+
+
+def _mixed_matmul_fwd(x, w, dt):
+    return _mixed_matmul(x, w, dt), (x.astype(dt), w.astype(dt))
+
+
+def _mixed_matmul_bwd(dt, res, g):
+    x, w = res
+    gx = _low_dot(g, w, dt, ((g.ndim - 1,), (1,)))
+    lead = tuple(range(x.ndim - 1))
+    gw = _low_dot(x, g, dt, (lead, lead))
+    return gx, gw
+
+
+_mixed_matmul.defvjp(_mixed_matmul_fwd, _mixed_matmul_bwd)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -66,7 +127,7 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x):
         dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype,
-                                         param_dtype=self.dtype, name=name)
+                                         param_dtype=self.dtype, dot_general=dot_general, name=name)
         h = nn.silu(dense(self.hidden, "gate_proj")(x)) * dense(self.hidden, "up_proj")(x)
         return dense(x.shape[-1], "down_proj")(h)
 

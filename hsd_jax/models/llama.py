@@ -18,9 +18,18 @@ import jax
 import jax.numpy as jnp
 
 from hsd_jax import cpu_kernels
-from hsd_jax.cache import KVCache, write_layer
+from hsd_jax.cache import KVCache, init_cache, widen, write_layer
 from hsd_jax.config import ModelConfig
-from hsd_jax.models.layers import RMSNorm, SwiGLU, apply_rope, init_program, jnp_dtype, rms_norm, rope_inv_freq
+from hsd_jax.models.layers import (
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    dot_general,
+    init_program,
+    jnp_dtype,
+    rms_norm,
+    rope_inv_freq,
+)
 from pallas_kernels.tree_attention import ancestor_mask, impl_backend, resolve_attention_impl, tree_attention
 
 
@@ -53,7 +62,7 @@ class DecoderLayer(nn.Module):
     def setup(self):
         cfg = self.cfg
         dt = jnp_dtype(cfg)
-        dense = lambda n, bias: nn.Dense(n, use_bias=bias, dtype=dt, param_dtype=dt)
+        dense = lambda n, bias: nn.Dense(n, use_bias=bias, dtype=dt, param_dtype=dt, dot_general=dot_general)
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps, dt)
         self.q_proj = dense(cfg.num_heads * cfg.head_dim, cfg.attention_bias)
         self.k_proj = dense(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)
@@ -61,6 +70,9 @@ class DecoderLayer(nn.Module):
         self.o_proj = dense(cfg.hidden_size, False)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, dt)
         self.mlp = SwiGLU(cfg.intermediate_size, cfg.mlp_bias, dt)
+        if cfg.qk_norm:   # Qwen3: RMSNorm over each head's [Dh] before RoPE
+            self.q_norm = RMSNorm(cfg.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(cfg.rms_norm_eps, dt)
 
     def project(self, x, positions):
         """Rotated q [B, Hq, T, Dh] and k, v [B, T, Hkv, Dh] of inputs x [B, T, d]."""
@@ -68,8 +80,11 @@ class DecoderLayer(nn.Module):
         b, t, _ = x.shape
         h = self.input_layernorm(x)
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        q = apply_rope(self.q_proj(h).reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-        k = apply_rope(self.k_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+        q = self.q_proj(h).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         v = self.v_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         return q.transpose(0, 2, 1, 3), k, v
 
@@ -313,3 +328,12 @@ def prefill(params: dict, cfg: ModelConfig, tokens: jax.Array, prompt_lens: jax.
     out = forward(params, cfg, tokens, positions, cache)
     logits = serving_logits(params, cfg, out.features[jnp.arange(b), prompt_lens - 1])
     return logits, out._replace(cache=out.cache.replace(lengths=prompt_lens.astype(jnp.int32)))
+
+
+def prefill_new_cache(params: dict, cfg: ModelConfig, tokens: jax.Array, prompt_lens: jax.Array, capacity: int):
+    """`prefill` into a new cache of `capacity` slots: the prompts [B, T] attend over T slots (the
+    rest of an empty cache is never visible), so a prefill costs the same at any capacity."""
+    b, t = tokens.shape
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, t, cfg.head_dim, jnp_dtype(cfg))
+    logits, out = prefill(params, cfg, tokens, prompt_lens, cache)
+    return logits, out._replace(cache=widen(out.cache, capacity))

@@ -25,6 +25,16 @@ class Batch(NamedTuple):
     valid: jax.Array      # [B, W] bool: position q has a response label x_{q+2} and f_{q+1}
     chain_ok: jax.Array   # [B, W] bool: a chain may start at q (q >= prompt end - 1)
     aux: jax.Array | None = None  # [B, W, k, d] outputs of the drafter's `feature_layers` (when it fuses them)
+    labels: jax.Array | None = None  # [B, W] int32 token after position q as the target predicts it (None:
+    #                                  the data's own next token, as in self-distilled data)
+
+
+def train_labels(batch: Batch) -> jax.Array:
+    """[B, W]: the token a chain step from position q drafts, x_{q+2}: the data's, or the target's own
+    prediction there (`Batch.labels`) for text the target did not write. The last positions pad."""
+    if batch.labels is None:
+        return jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
+    return jnp.concatenate([batch.labels[:, 1:], batch.labels[:, -1:]], 1)
 
 
 def multi_source_attention(q, ks, vs, step: int):
@@ -137,7 +147,7 @@ def drafter_loss(params, dcfg, view, t2d, batch: Batch, key, *, steps: int, ce_p
     outs = unrolled_features(params, dcfg, view, batch, steps)
     f_next = _next_features(batch)
     x_next = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
-    labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
+    labels = train_labels(batch)
     ctx = path_context(batch.tokens, dcfg.readout_context - 1)
     pick, has_any = _ce_picks(batch, key, ce_positions)
     soft = None
@@ -245,7 +255,7 @@ def eagle3_loss(params, cfg, table, t2d, batch: Batch, key, *, steps: int, ce_po
     from hsd_jax.models import eagle3
 
     outs = unrolled_eagle3(params, cfg, table, batch, steps)
-    labels = jnp.concatenate([batch.tokens[:, 2:], batch.tokens[:, -2:]], 1)
+    labels = train_labels(batch)
     pick, has_any = _ce_picks(batch, key, ce_positions)
     emb_at_pick = jnp.take_along_axis(_eagle3_next_embeddings(table, batch), pick[..., None], 1)
     lab = t2d[jnp.take_along_axis(labels, pick, 1)]

@@ -5,11 +5,18 @@ import json
 import os
 import shutil
 
-from hsd_jax.api import SHIPPED_DRAFTERS
+from hsd_jax.api import ORBAX_COMMIT_MARKER, SHIPPED_DRAFTERS
 
 
 def _size_mb(path: str) -> float:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) / 2**20
+
+
+def _portable(path: str) -> str:
+    """A run's data or drafter directory as the card names it: relative to the working directory when
+    under it (`train_data/...`), else its last component, never this machine's absolute path."""
+    rel = os.path.relpath(os.path.abspath(path))
+    return rel if not rel.startswith(os.pardir) else os.path.basename(os.path.normpath(path))
 
 
 def ship(run_dir: str, model: str, kind: str, *, config_path: str, command: str, notes: str = "") -> str:
@@ -20,7 +27,7 @@ def ship(run_dir: str, model: str, kind: str, *, config_path: str, command: str,
     dst = os.path.join(SHIPPED_DRAFTERS, model, kind)
     if os.path.isdir(dst):
         shutil.rmtree(dst)
-    shutil.copytree(src, dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(ORBAX_COMMIT_MARKER))  # it names the run's absolute path
     final, hist = metrics["final"], metrics["history"]
     lines = [
         f"# {kind} drafter for {model}",
@@ -30,7 +37,7 @@ def ship(run_dir: str, model: str, kind: str, *, config_path: str, command: str,
         "command resumes from the last one on the same machine.",
         "",
         "## Data",
-        f"- Data sets: {', '.join(f'`{d}`' for d in ([cfg['data_dir']] if isinstance(cfg['data_dir'], str) else cfg['data_dir']))}",
+        f"- Data sets: {', '.join(f'`{_portable(d)}`' for d in ([cfg['data_dir']] if isinstance(cfg['data_dir'], str) else cfg['data_dir']))}",
         f"- Self-distilled: {model} answered GSM8K-train questions and ShareGPT first user turns with its",
         "  chat template (greedy, <= 128 new tokens). No evaluation prompts (MT-bench, HumanEval, ...).",
         f"- {metrics['train_tokens']} tokens in all, {metrics['response_tokens']} of them response tokens;",
@@ -39,7 +46,7 @@ def ship(run_dir: str, model: str, kind: str, *, config_path: str, command: str,
         "## Training",
         f"- steps {final['step']}, batch {cfg['batch_size']} sequences, window {cfg['window']} tokens, "
         f"unroll {cfg['unroll']}, lr {cfg['learning_rate']} (warmup {cfg['warmup_steps']}, cosine), AdamW, clip {cfg['grad_clip']}",
-        *([f"- started from the drafter in `{cfg['init_from']}` (its own card: the previous version of this file)"]
+        *([f"- started from the drafter in `{_portable(cfg['init_from'])}` (its own card: the previous version of this file)"]
           if cfg.get("init_from") else []),
         f"- wall time of the last (resumed) run: {final['wall_seconds_this_run'] / 60:.1f} min on a 2-core CPU",
         f"- loss: first 10 steps {final['loss_first']}, last 10 steps {final['loss_last']}",

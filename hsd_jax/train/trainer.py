@@ -19,9 +19,11 @@ import numpy as np
 import optax
 
 from hsd_jax.config import ConfigError
+from hsd_jax.loading.errors import reading
+from hsd_jax.models.layers import matmul_inputs
 from hsd_jax.train import losses
-from hsd_jax.train.data import DataError, load_shards, shard_paths, shard_rows
-from hsd_jax.train.features import aux_path, build_feature_cache, feature_path
+from hsd_jax.train.data import DataError, has_target_labels, load_shards, shard_paths, shard_rows
+from hsd_jax.train.features import aux_path, build_feature_cache, feature_path, label_path
 
 # (ce_weight, feature_weight) by drafter kind when a config names neither: hsd and eagle regress the next
 # target feature as EAGLE-1 does; EAGLE-3's published recipe trains on the token loss only.
@@ -66,6 +68,10 @@ class TrainConfig:
     max_seconds: float = 0.0  # stop this run after so many seconds of training (0: no limit), then export
     feature_batch: int = 8  # sequences per target prefill when building the feature cache
     eval_untrained: bool = True  # evaluate the starting weights too (time-boxed runs skip it)
+    start_step: int = 0  # with init_from and no checkpoint yet: continue the schedule from this step (a committed
+    #                      campaign state on a new machine: its bf16 params, fresh optimizer moments)
+    compute_dtype: str = "float32"  # matmul inputs of the train step and the feature prefill: bfloat16 runs them on
+    #                                 bf16 with f32 accumulation (f32 master weights, norms and loss): ~1.7x on AVX-512 BF16
     seed: int = 0
 
     def __post_init__(self):
@@ -94,6 +100,10 @@ class TrainConfig:
                      "max_to_keep", "feature_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.start_step < 0 or (self.start_step and (self.start_step >= self.steps or not self.init_from)):
+            raise ConfigError(f"start_step must be in [0, steps) and needs init_from, got {self.start_step}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
         if self.learning_rate <= 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.max_seconds < 0:
@@ -134,30 +144,54 @@ class TrainConfig:
         return cls(**raw)
 
 
+def cached_features(path: str, rows, ndim: int, kind=np.floating) -> np.ndarray:
+    """A feature (or label: kind np.integer) cache file memory-mapped, checked against its shard's rows
+    at load (an array of `kind` [rows, >= longest row, ...] of `ndim` dimensions), so a damaged cache
+    is a DataError here and never a short read in the middle of training."""
+    with reading(path, "damaged feature cache (delete it to rebuild)", DataError):
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    longest = max((len(t) for t, _ in rows), default=0)
+    if arr.ndim != ndim or not np.issubdtype(arr.dtype, kind) or arr.shape[0] != len(rows) \
+            or arr.shape[1] < longest:
+        raise DataError(f"{path}: damaged feature cache (delete it to rebuild): {arr.dtype} {arr.shape} for "
+                        f"{len(rows)} rows of up to {longest} tokens")
+    return arr
+
+
 class SequenceData:
-    """Token sequences with their cached features, split into train and held-out rows."""
+    """Token sequences with their cached features, split into train and held-out rows.
+
+    Each data directory is split on its own, so adding one leaves the others' held-out rows as they
+    were. The held-out rows of text the target did not write (shards with target labels) are not
+    evaluated (the metric follows the target's greedy path) and not trained on."""
 
     def __init__(self, data_dirs, cache_dir: str | None, window: int, holdout: float, seed: int,
                  feature_layers=()):
         self.window = window
-        self.rows = []  # (tokens, features memmap or None, row in the shard, prompt_len, aux memmap or None)
+        self.rows = []  # (tokens, features memmap, row in the shard, prompt_len, aux memmap, labels memmap); None: absent
         hold, train = [], []
         for data_dir in [data_dirs] if isinstance(data_dirs, str) else data_dirs:
-            first = len(self.rows)
+            first, own_labels = len(self.rows), False
             for shard in shard_paths(data_dir):
-                feats = None if cache_dir is None else np.load(feature_path(cache_dir, shard), mmap_mode="r")
-                aux = None
+                rows = shard_rows(shard)
+                feats = None if cache_dir is None else cached_features(feature_path(cache_dir, shard), rows, 3)
+                aux = labels = None
                 if cache_dir is not None and feature_layers:
-                    aux = np.load(aux_path(cache_dir, shard, feature_layers), mmap_mode="r")
-                self.rows.extend((tokens, feats, i, plen, aux) for i, (tokens, plen) in enumerate(shard_rows(shard)))
+                    aux = cached_features(aux_path(cache_dir, shard, feature_layers), rows, 4)
+                if cache_dir is not None and has_target_labels(shard):
+                    labels, own_labels = cached_features(label_path(cache_dir, shard), rows, 2, np.integer), True
+                self.rows.extend((tokens, feats, i, plen, aux, labels) for i, (tokens, plen) in enumerate(rows))
             count = len(self.rows) - first
             if count < 2:
                 raise DataError(f"{data_dir}: need at least 2 sequences, found {count}")
-            # split each directory on its own, so adding a directory leaves the others' held-out rows as they were
             order = first + np.random.default_rng(seed).permutation(count)
             n_hold = max(1, int(count * holdout))
-            hold.append(order[:n_hold])
+            if not own_labels:
+                hold.append(order[:n_hold])
             train.append(order[n_hold:])
+        if not hold:
+            raise DataError("no held-out rows: at least one data directory must hold the target's own answers "
+                            "(`hsd data generate`)")
         self.holdout, self.train = np.concatenate(hold), np.concatenate(train)
 
     def batch(self, idx) -> losses.Batch:
@@ -170,8 +204,11 @@ class SequenceData:
         chain_ok = np.zeros((len(idx), w), bool)
         first_aux = self.rows[idx[0]][4]
         aux = None if first_aux is None else np.zeros((len(idx), w) + first_aux.shape[2:], np.float32)
+        labels = None
+        if any(self.rows[r][5] is not None for r in idx):   # the target's next token; the data's where it wrote them
+            labels = np.zeros((len(idx), w), np.int32)
         for j, r in enumerate(idx):
-            tokens, fmm, i, plen, amm = self.rows[r]
+            tokens, fmm, i, plen, amm, lmm = self.rows[r]
             start = max(0, len(tokens) - w)
             n = len(tokens) - start
             toks[j, :n] = tokens[start:]
@@ -179,11 +216,13 @@ class SequenceData:
                 feats[j, :n] = fmm[i, start: len(tokens)]
             if aux is not None:
                 aux[j, :n] = amm[i, start: len(tokens)]
+            if labels is not None:
+                labels[j, :n] = tokens[start + 1:].tolist() + [0] if lmm is None else lmm[i, start: len(tokens)]
             q = np.arange(w)
             chain_ok[j] = q >= plen - 1 - start
             valid[j] = chain_ok[j] & (q + 2 < n)
         return losses.Batch(jnp.asarray(toks), jnp.asarray(feats), jnp.asarray(valid), jnp.asarray(chain_ok),
-                            None if aux is None else jnp.asarray(aux))
+                            None if aux is None else jnp.asarray(aux), None if labels is None else jnp.asarray(labels))
 
 
 def chain_report(sums: dict) -> dict:
@@ -273,8 +312,9 @@ def run_vocab(cfg: TrainConfig, target, data: SequenceData, init=None) -> tuple[
 
     path = os.path.join(cfg.out_dir, "draft_vocab.npz")
     if distributed.agree(os.path.isfile(path)):   # process 0's view: every process takes the same branch
-        with np.load(path, allow_pickle=False) as z:
-            return z["d2t"].astype(np.int32), float(z["feature_rms"])
+        with reading(path, "damaged draft vocabulary (delete it to rebuild)", DataError):
+            with np.load(path, allow_pickle=False) as z:
+                return z["d2t"].astype(np.int32), float(z["feature_rms"])
     if init is not None:
         d2t = np.asarray(init.d2t, np.int32)
         rms = float(getattr(init.config, "feature_rms", 0.0)) or round(feature_rms(data), 3)  # eagle3 keeps none
@@ -409,6 +449,17 @@ def train_task(cfg: TrainConfig, target, data: SequenceData | None, vocab=None) 
     return _feature_task(cfg, target, data, vocab)
 
 
+def with_matmul_inputs(loss_fn, dtype: str):
+    """loss_fn traced under `matmul_inputs(dtype)` (f32: as it is)."""
+    if dtype == "float32":
+        return loss_fn
+
+    def mixed(*args):
+        with matmul_inputs(dtype):
+            return loss_fn(*args)
+    return mixed
+
+
 def make_train_step(loss_fn, tx, example_state=None, compiler_options=None):
     """The jitted optimizer step (state, batch, key[, lr][, consts]) -> (state, metrics). With `lr`
     the transformation's update is a direction, scaled by -lr (see `make_optimizer`); without it
@@ -434,8 +485,13 @@ def make_train_step(loss_fn, tx, example_state=None, compiler_options=None):
                    compiler_options=opts)
 
 
-def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, log=print) -> dict:
+def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, log=print,
+          until_step: int | None = None) -> dict:
     """Run (or resume) a training run; returns the final held-out metrics.
+
+    until_step: stop at this step (checkpoint, evaluation and exported drafter as at the end) without
+    changing the schedule, which still runs to `cfg.steps`: a long run in chunks. Every evaluation
+    is appended to `<out_dir>/history.jsonl`, so the curve spans the chunks.
 
     mesh (`hsd_jax.sharding.make_mesh`): the frozen target, the drafter and its optimizer state
     are sharded by the partition rules and batches over `data` (batch_size must divide by it).
@@ -465,7 +521,7 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
         cache_dir = cfg.feature_cache or os.path.join(cfg.out_dir, "features")
         for data_dir in cfg.data_dirs:
             build_feature_cache(target, data_dir, cache_dir, batch_size=cfg.feature_batch, progress=progress,
-                                feature_layers=cfg.feature_layers)
+                                feature_layers=cfg.feature_layers, matmul_dtype=cfg.compute_dtype)
     data = SequenceData(cfg.data_dirs, cache_dir, cfg.window, cfg.holdout_fraction, cfg.seed, cfg.feature_layers)
     place = lambda tree: tree
     if mesh is not None:
@@ -479,7 +535,8 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     if mesh is not None:
         state = sharding.shard_params(state, mesh)
     copts = compile_options(target.params)
-    train_step = make_train_step(task["loss"], tx, state if mesh is not None else None, copts)
+    train_step = make_train_step(with_matmul_inputs(task["loss"], cfg.compute_dtype), tx,
+                                 state if mesh is not None else None, copts)
 
     eval_fn = jax.jit(task["accept"], compiler_options=copts or None)
     consts = task["consts"]
@@ -502,26 +559,39 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
         host = distributed.broadcast_arrays(host)
         state = sharding.shard_params(host, mesh) if mesh is not None else jax.device_put(host)
         log(f"resumed from step {start}")
+    elif cfg.start_step:
+        start = cfg.start_step
+        log(f"continuing the schedule at step {start} from {cfg.init_from}")
+    stop = min(cfg.steps, until_step or cfg.steps)
+    if stop <= start:
+        raise ConfigError(f"this run is at step {start}; nothing to do until step {stop}")
     if primary:
         with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
     history, losses_seen, t0 = [], [], time.time()
+
+    def record(step, report):
+        history.append(dict(step=step, **report))
+        if primary:
+            with open(os.path.join(cfg.out_dir, "history.jsonl"), "a") as f:
+                f.write(json.dumps(history[-1]) + "\n")
+
     if start == 0 and cfg.eval_untrained:
-        history.append(dict(step=0, **evaluate(state["params"])))
+        record(0, evaluate(state["params"]))
         log(f"untrained: {history[-1]}")
 
     def host_batch(step):
         rng = np.random.default_rng([cfg.seed, step])
         return data.batch(rng.choice(data.train, size=cfg.batch_size, replace=len(data.train) < cfg.batch_size))
 
-    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.kind}", disable=not progress)
+    bar = tqdm(total=stop, initial=start, desc=f"train {cfg.kind}", disable=not progress)
     train_t0 = rate_t0 = time.time()
     last = start
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the next batch is gathered while this step runs
         pending = pool.submit(host_batch, start)
-        for step in range(start, cfg.steps):
+        for step in range(start, stop):
             batch = pending.result()
-            if step + 1 < cfg.steps:
+            if step + 1 < stop:
                 pending = pool.submit(host_batch, step + 1)
             lr = np.float32(distributed.agree(learning_rate(cfg, step, time.time() - train_t0)))
             state, metrics = train_step(state, place(batch), jax.random.fold_in(jax.random.key(cfg.seed), step), lr,
@@ -532,16 +602,15 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
             if step == start:  # throughput is measured from the end of the first (compiling) step
                 rate_t0 = time.time()
             out_of_time = bool(cfg.max_seconds) and distributed.agree(time.time() - train_t0 > cfg.max_seconds)
-            if last % cfg.save_every == 0 or last == cfg.steps or out_of_time:
+            if last % cfg.save_every == 0 or last == stop or out_of_time:
                 host = sharding.fetch(state)
                 if primary:
-                    mngr.save(last, args=ocp.args.StandardSave(host), force=last == cfg.steps or out_of_time)
+                    mngr.save(last, args=ocp.args.StandardSave(host), force=last == stop or out_of_time)
             if (step + 1) % 10 == 0:
                 bar.set_postfix(loss=f"{loss_now:.3f}", acc1=f"{float(metrics['acc_1']):.3f}")
-            if (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps and not out_of_time:
-                ev = evaluate(state["params"])
-                history.append(dict(step=step + 1, **ev))
-                log(f"step {step + 1}: {ev}")
+            if (step + 1) % cfg.eval_every == 0 and step + 1 < stop and not out_of_time:
+                record(step + 1, evaluate(state["params"]))
+                log(f"step {step + 1}: {history[-1]}")
             bar.update(1)
             if out_of_time:
                 log(f"max_seconds {cfg.max_seconds} reached at step {last} of {cfg.steps}")
@@ -553,8 +622,9 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     k = max(1, min(10, len(losses_seen) // 2))
     steps_per_s = (last - start - 1) / max(time.time() - rate_t0, 1e-9) if last - start > 1 else 0.0
     tokens_per_s = steps_per_s * cfg.batch_size * cfg.window
+    record(last, evaluate(state["params"]))
     final = dict(step=last, steps_per_s=round(steps_per_s, 3), window_tokens_per_s=round(tokens_per_s, 1),
-                 **evaluate(state["params"]), wall_seconds_this_run=round(time.time() - t0, 1),
+                 **{k: v for k, v in history[-1].items() if k != "step"}, wall_seconds_this_run=round(time.time() - t0, 1),
                  loss_first=round(float(np.mean(losses_seen[:k])), 4) if losses_seen else None,
                  loss_last=round(float(np.mean(losses_seen[-k:])), 4) if losses_seen else None)
     if task["d2t"] is not None:
@@ -563,8 +633,10 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
     save_drafter(dmod.Drafter(cfg.kind, half, task["config"], task["d2t"]), os.path.join(cfg.out_dir, "drafter"))
     if primary:
         seqs, plens = load_shards(cfg.data_dirs)
+        with open(os.path.join(cfg.out_dir, "history.jsonl")) as f:   # every chunk's evaluations, the last = final's
+            curve = [json.loads(line) for line in f if line.strip()]
         with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as f:
-            json.dump({"final": final, "history": history, "train_tokens": int(sum(len(s) for s in seqs)),
+            json.dump({"final": final, "history": curve[:-1], "train_tokens": int(sum(len(s) for s in seqs)),
                        "response_tokens": int(sum(len(s) - p for s, p in zip(seqs, plens)))}, f, indent=1)
     log(f"final: {final}")
     return final

@@ -1,0 +1,164 @@
+"""Start fast, compile once: one decode-loop compile per method whatever the prompt lengths and
+`max_new_tokens`, the persistent compilation cache shared by processes, the dequantized-weights
+cache (rebuilt when corrupt) and `warmup`."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from hsd_jax import api, compilation
+from hsd_jax.api import generate, load_drafter
+from hsd_jax.loading import weights_cache
+from tests.helpers import run_cli, tiny_smollm2_gguf, tiny_target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def compiles():
+    """Names of the jitted functions XLA compiles (or fetches from the persistent cache) inside."""
+    from jax._src import monitoring
+
+    names = []
+
+    def listener(event, duration, **kw):
+        if event == BACKEND_COMPILE:
+            names.append(str(kw.get("fun_name")).removeprefix("jit(").removesuffix(")"))
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+def test_the_decode_loop_compiles_once_per_method_for_any_prompt_length_and_bound():
+    t = tiny_target(vocab=64, hidden=32, tie_word_embeddings=True, max_cache_len=96)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 64, size=n).tolist() for n in (3, 5, 8, 11, 14, 17, 23, 30)]
+    # hsd with prompt-lookup nodes: its drafter's init and the lookup both read the prompt
+    runs = {"ar": {}, "hsd": dict(drafter=load_drafter("hsd", target=t, random_init=True, seed=1), lookup_slots=2,
+                                  tree_nodes=4, tree_depth=3, tree_top_k=2)}
+    api._COMPILED.clear()
+    tokens = {}
+    with compiles() as names:
+        for method, kw in runs.items():
+            for n in (5, 12, 20):
+                for p in prompts:
+                    r = generate(t, [p], max_new_tokens=n, method=method, **kw)[0]
+                    assert r.stats["new_tokens"] == n   # no EOS in a tiny model: the bound is honoured
+                    tokens[method, n, len(p)] = r.token_ids
+    buckets = {api.prompt_bucket_length(len(p)) for p in prompts}
+    assert buckets == {16, 32}
+    assert names.count("ar_decode") == 1 and names.count("spec_decode") == 1
+    assert names.count("ar_prefill") == names.count("spec_prefill") == len(buckets)
+    for (method, n, length), ids in tokens.items():
+        assert ids == tokens["ar", n, length], (method, n, length)     # greedy: every method is ar
+        assert ids[:5] == tokens[method, 5, length]                    # a longer bound extends a shorter one
+
+
+def test_warmup_compiles_every_bucket_and_the_loop_ahead_of_generate():
+    t = tiny_target(vocab=64, hidden=32, max_cache_len=128)
+    api._COMPILED.clear()
+    with compiles() as names:
+        report = api.warmup(t, method="lookup", progress=False)
+    assert report["programs"] == len(api.prompt_buckets(128)) + 1 == 5   # buckets 16, 32, 64, 128 and the loop
+    assert names.count("spec_decode") == 1 and names.count("spec_prefill") == 4
+    with compiles() as names:
+        for n in (2, 20, 40, 90):
+            generate(t, [[1 + i % 60 for i in range(n)]], max_new_tokens=7, method="lookup")
+    assert "spec_decode" not in names and "spec_prefill" not in names
+
+
+def _run_tiny(model: str, env: dict) -> dict:
+    script = f"""
+import json, jax
+from jax._src import monitoring
+hits = []
+monitoring.register_event_listener(lambda e, **kw: hits.append(e) if e.endswith("cache_hits") else None)
+from hsd_jax import api
+t = api.load_target({model!r}, tokenizer=False, max_cache_len=128)
+r = api.generate(t, [[5, 6, 7]], max_new_tokens=6)[0]
+print(json.dumps({{"hits": len(hits), "dir": jax.config.jax_compilation_cache_dir, "ids": r.token_ids}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_the_first_ones_programs_and_weights(tmp_path):
+    model = tiny_smollm2_gguf(tmp_path / "model.gguf", hidden=32, heads=4, kv_heads=2)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(HSD_JAX_CACHE=str(tmp_path / "user-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               PYTHONPATH=ROOT)
+    first = _run_tiny(model, env)
+    assert first["dir"] == os.path.join(str(tmp_path / "user-cache"), "xla") and first["hits"] == 0
+    assert len(os.listdir(first["dir"])) >= 2            # prefill and decode programs, at least
+    assert len(os.listdir(tmp_path / "user-cache" / "weights")) == 1
+    second = _run_tiny(model, env)
+    assert second["hits"] >= 2 and second["ids"] == first["ids"]
+
+
+def test_the_compilation_cache_keeps_the_callers_folder_and_turns_off(monkeypatch):
+    assert compilation.enable() == os.environ["JAX_COMPILATION_CACHE_DIR"]   # the suite's own folder, kept
+    saved = jax.config.jax_compilation_cache_dir
+    monkeypatch.setenv("HSD_JAX_COMPILATION_CACHE", "0")
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert compilation.enable() is None and jax.config.jax_compilation_cache_dir is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved)
+
+
+def test_a_corrupt_or_stale_weights_cache_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSD_JAX_CACHE", str(tmp_path / "cache"))
+    model = tiny_smollm2_gguf(tmp_path / "model.gguf", hidden=32, heads=4, kv_heads=2)
+    want = api.load_target(model, tokenizer=False).params
+    cached = weights_cache.cache_file(model)
+    assert os.path.isfile(cached)
+
+    def same(params):
+        return all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)))
+
+    assert same(api.load_target(model, tokenizer=False).params)     # read back
+    size = os.path.getsize(cached)
+    with open(cached, "r+b") as f:                                  # flip bytes inside a tensor
+        f.seek(size - 1000)
+        f.write(b"\x7f" * 16)
+    with pytest.warns(UserWarning, match="stale or corrupt"):
+        assert same(api.load_target(model, tokenizer=False).params)
+    assert os.path.getsize(cached) == size                           # rebuilt
+    with open(cached, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.warns(UserWarning, match="stale or corrupt"):
+        assert same(api.load_target(model, tokenizer=False).params)
+    with open(cached, "wb") as f:
+        f.write(b"not a safetensors file")
+    with pytest.warns(UserWarning, match="stale or corrupt"):
+        assert same(api.load_target(model, tokenizer=False).params)
+    assert same(api.load_target(model, tokenizer=False).params)
+    os.utime(model, ns=(1, 1))                                       # the source changed: a new key
+    assert weights_cache.cache_file(model) != cached
+
+
+def test_hsd_warmup_then_generate_compiles_nothing_and_verbose_says_where_time_went(tmp_path):
+    model = tiny_smollm2_gguf(tmp_path / "model.gguf", hidden=32, heads=4, kv_heads=2)
+    api._COMPILED.clear()
+    warm = run_cli("warmup", "--model", model, "--method", "lookup", "--max-cache-len", "32")
+    assert warm.returncode == 0, warm.stderr
+    report = json.loads(warm.stdout.strip().splitlines()[-1])
+    assert report["programs"] == len(api.prompt_buckets(32)) + 1 == 3
+    assert report["compilation_cache"] == os.environ["JAX_COMPILATION_CACHE_DIR"]
+    gen = run_cli("generate", "--model", model, "--method", "lookup", "--max-cache-len", "32",
+                  "--prompt", "Give me three tips.", "--max-new-tokens", "5", "--verbose")
+    assert gen.returncode == 0, gen.stderr
+    assert "compile 0.00 s" in gen.stderr and "prefill" in gen.stderr and "decode" in gen.stderr
+    bad = run_cli("warmup", "--model", model, "--batch-size", "0")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --batch-size")
