@@ -204,9 +204,17 @@ def generate_programs(target: api.Target, method_names: Sequence[str], mesh, *, 
 
 
 def _with_shardings(tree, mesh):
-    """`tree`'s ShapeDtypeStructs, each keeping the sharding `jax.eval_shape` gave it (else replicated)."""
-    return jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
-                        else _place(jax.ShapeDtypeStruct(x.shape, x.dtype), mesh), tree)
+    """`tree`'s ShapeDtypeStructs placed on `mesh` as the decode loop receives them: KV caches
+    [L, B, H, S, D] as `sharding.constrain_cache` pins them, other per-sequence arrays over `data`,
+    the rest replicated (`jax.eval_shape` under Auto axes gives no shardings)."""
+    batch = tree.prompt_lens.shape[0]
+
+    def spec(x):
+        if x.ndim == 5:
+            return sharding.fit_spec(sharding.CACHE_SPEC, x.shape, mesh)
+        return _batch_spec(x, mesh) if x.ndim and x.shape[0] == batch else P()
+
+    return jax.tree.map(lambda x: _place(jax.ShapeDtypeStruct(x.shape, x.dtype), mesh, spec(x)), tree)
 
 
 def train_programs(target: api.Target, kinds: Sequence[str], mesh, **options) -> list[Program]:
