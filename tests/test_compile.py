@@ -1,9 +1,9 @@
-"""`hsd compile`: generate's decode loops and the drafter training steps compile for a TPU (deviceless,
-libtpu) and lower for CUDA on this CPU machine, each decode loop with the Pallas tree-attention kernel
-in it (Mosaic on TPU, Triton on CUDA).
+"""`hsd compile`: generate's programs (per method a prefill and a decode loop) and the drafter training
+steps compile for a TPU (deviceless, libtpu) and lower for CUDA on this CPU machine, each decode loop
+with the Pallas tree-attention kernel in it (Mosaic on TPU, Triton on CUDA).
 
-Cost (measured 2026-12-03 on the shared 2-core CPU, other jobs running): a TPU compile of the tiny
-model's loops takes 4-24 s each (ar 4, lookup 8, ngram 9, sd 13, eagle/eagle3/hsd 23-24), a training
+Cost (measured 2026-12-03 on the shared 2-core CPU before the prefill/decode split, other jobs
+running; the module took 145 s after it): a TPU compile of the tiny model's loops takes 4-24 s each (ar 4, lookup 8, ngram 9, sd 13, eagle/eagle3/hsd 23-24), a training
 step ~30 s; SmolLM2's speculative loops 30-80 s. So the suite compiles a representative set for TPU,
 all in one child process (one JAX and libtpu start; ~200 s of that CPU): every method once, bf16 at
 batch 1 (ar, hsd, eagle3, lookup) and f32 at batch 4 (sd, eagle, ngram); hsd's training step; a 1x4
