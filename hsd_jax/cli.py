@@ -125,6 +125,12 @@ def _check_generate_args(a) -> dict:
     from hsd_jax.api import check_request
 
     check_request([a.prompt], a.max_new_tokens)
+    return _check_model_args(a)
+
+
+def _check_model_args(a) -> dict:
+    """The target, drafter, sampling and speculative options `generate` and `warmup` share, checked
+    before the model loads; returns the speculative options."""
     SamplingConfig(a.temperature, a.sampling_top_k, a.top_p)
     if a.max_cache_len < 1:
         raise UsageError(f"--max-cache-len must be >= 1, got {a.max_cache_len}")
@@ -136,19 +142,27 @@ def _check_generate_args(a) -> dict:
     return _spec_options(a, a.method)
 
 
-def cmd_generate(a) -> int:
-    import time
-
-    start = time.perf_counter()
-    options = _check_generate_args(a)
-    mesh = _mesh(a)
-    from hsd_jax.api import generate, load_drafter, load_target
+def _load_target_and_drafter(a, mesh):
+    """The target and (for a speculative --method) the drafter that `generate` and `warmup` name."""
+    from hsd_jax.api import load_drafter, load_target
 
     target = load_target(a.model, dtype=a.dtype, max_cache_len=a.max_cache_len,
                          attention_impl=a.attention_impl, mesh=mesh)
     drafter = None
     if a.method != "ar":
         drafter = load_drafter(a.method, a.drafter, target=target, random_init=a.random_drafter)
+    return target, drafter
+
+
+def cmd_generate(a) -> int:
+    import time
+
+    start = time.perf_counter()
+    options = _check_generate_args(a)
+    mesh = _mesh(a)
+    from hsd_jax.api import generate
+
+    target, drafter = _load_target_and_drafter(a, mesh)
     loaded = time.perf_counter()
     res = generate(target, [a.prompt], max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                    top_k=a.sampling_top_k, top_p=a.top_p, seed=a.seed, chat=a.chat, method=a.method,
@@ -206,22 +220,12 @@ def cmd_warmup(a) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.max_prompt_len is not None and a.max_prompt_len < 1:
         raise UsageError(f"--max-prompt-len must be >= 1, got {a.max_prompt_len}")
-    SamplingConfig(a.temperature, a.sampling_top_k, a.top_p)
-    _check_model(a.model)
-    if a.drafter is not None and not os.path.isdir(a.drafter):
-        raise UsageError(f"drafter directory not found: {a.drafter}")
-    if a.method == "ar" and (a.drafter or a.tuned or a.reuse):
-        raise UsageError("--drafter, --tuned and --reuse need a speculative --method")
-    options = _spec_options(a, a.method)
+    options = _check_model_args(a)
     mesh = _mesh(a)
     from hsd_jax import compilation
-    from hsd_jax.api import load_drafter, load_target, warmup
+    from hsd_jax.api import warmup
 
-    target = load_target(a.model, dtype=a.dtype, max_cache_len=a.max_cache_len,
-                         attention_impl=a.attention_impl, mesh=mesh)
-    drafter = None
-    if a.method != "ar":
-        drafter = load_drafter(a.method, a.drafter, target=target, random_init=a.random_drafter)
+    target, drafter = _load_target_and_drafter(a, mesh)
     report = warmup(target, method=a.method, drafter=drafter, batch_size=a.batch_size, temperature=a.temperature,
                     top_k=a.sampling_top_k, top_p=a.top_p, mesh=mesh, max_prompt_len=a.max_prompt_len, **options)
     _say(json.dumps(dict(report, compilation_cache=compilation.enable())))
