@@ -198,6 +198,15 @@ def flips(raw: bytes, lo: int, hi: int, n: int, mask: int) -> list[tuple[int, by
     return out
 
 
+def byte_damage(raw: bytes, header_end: int, header: tuple, data: tuple, lo: int = 0) -> list[tuple[str, bytes]]:
+    """(case, damaged copy) of a file: its `truncations`, then header bytes in [lo, header_end) flipped
+    (`header`: (count, mask) pairs) and data bytes flipped (`data`: (count, mask))."""
+    out = [(f"cut at {n}", raw[:n]) for n in truncations(raw, header_end)]
+    for count, mask in header:
+        out += [(f"header byte {pos} flipped", b) for pos, b in flips(raw, lo, header_end, count, mask)]
+    return out + [(f"data byte {pos} flipped", b) for pos, b in flips(raw, header_end, len(raw), *data)]
+
+
 def run_target(target):
     """A tiny forward (one small jitted program, shared by every copy of the same shapes) and the tokenizer."""
     logits = jax_logits(target.params, target.config, [[1, 2, 3]])
@@ -312,12 +321,8 @@ def test_gguf(files, tmp_path):
         bad.write_bytes(data)
         attempt("gguf", case, str(bad), load, run_target)
 
-    for n in truncations(raw, header_end):
-        try_bytes(f"cut at {n}", raw[:n])
-    for pos, data in flips(raw, 4, header_end, 48, 0x01) + flips(raw, 4, header_end, 16, 0xFF):
-        try_bytes(f"header byte {pos} flipped", data)
-    for pos, data in flips(raw, header_end, len(raw), 6, 0x40):
-        try_bytes(f"data byte {pos} flipped", data)
+    for case, data in byte_damage(raw, header_end, ((48, 0x01), (16, 0xFF)), (6, 0x40), lo=4):
+        try_bytes(case, data)
     required = ("llama.block_count", "llama.embedding_length", "llama.feed_forward_length",
                 "llama.attention.head_count", "tokenizer.ggml.tokens", "tokenizer.ggml.merges")
     for key in required:
@@ -352,12 +357,8 @@ def _hf_cases(fmt, files, tmp_path, st_name, make_dir):
         st.write_bytes(data)
         attempt(fmt, case, str(d), load, run_target)
 
-    for n in truncations(raw, header_end):
-        try_bytes(f"cut at {n}", raw[:n])
-    for pos, data in flips(raw, 0, header_end, 28, 0x01) + flips(raw, 0, header_end, 8, 0xFF):
-        try_bytes(f"header byte {pos} flipped", data)
-    for pos, data in flips(raw, header_end, len(raw), 4, 0x40):
-        try_bytes(f"data byte {pos} flipped", data)
+    for case, data in byte_damage(raw, header_end, ((28, 0x01), (8, 0xFF)), (4, 0x40)):
+        try_bytes(case, data)
     st.write_bytes(raw)
     return d
 
@@ -580,12 +581,8 @@ def test_d2t_npy(files, tmp_path):
         np.save(d / "d2t.npy", arr)
         attempt("d2t.npy", case, str(d), load, run)
 
-    for n in truncations(raw, header_end):
-        try_bytes(f"cut at {n}", raw[:n])
-    for pos, data in flips(raw, 0, header_end, 12, 0x01):
-        try_bytes(f"header byte {pos} flipped", data)
-    for pos, data in flips(raw, header_end, len(raw), 3, 0x01):
-        try_bytes(f"data byte {pos} flipped", data)
+    for case, data in byte_damage(raw, header_end, ((12, 0x01),), (3, 0x01)):
+        try_bytes(case, data)
     try_array("float zeros", np.zeros(len(good), np.float32))
     try_array("2-d", good.reshape(2, -1))
     try_array("too short", good[:-1])
@@ -626,12 +623,8 @@ def test_published_eagle3(files, tmp_path):
         st.write_bytes(data)
         attempt("eagle3", case, str(d), load, run)
 
-    for n in truncations(raw, header_end):
-        try_bytes(f"cut at {n}", raw[:n])
-    for pos, data in flips(raw, 0, header_end, 24, 0x01):
-        try_bytes(f"header byte {pos} flipped", data)
-    for pos, data in flips(raw, header_end, len(raw), 3, 0x40):
-        try_bytes(f"data byte {pos} flipped", data)
+    for case, data in byte_damage(raw, header_end, ((24, 0x01),), (3, 0x40)):
+        try_bytes(case, data)
     st.write_bytes(raw)
     config = json.loads((d / "config.json").read_text())
 
