@@ -298,27 +298,48 @@ def shipped_drafter(kind: str, target: Target) -> str | None:
     return path if os.path.isfile(os.path.join(path, "drafter.json")) else None
 
 
+class _AbandonedOrbaxReads:
+    """A logging filter for asyncio's "Task exception was never retrieved" about Orbax's reads."""
+
+    def filter(self, record) -> bool:
+        msg = str(record.msg)
+        return not ("never retrieved" in msg and "orbax" in msg)
+
+
+def _quiet_abandoned_orbax_reads() -> None:
+    """When one read of a damaged checkpoint fails, Orbax drops its other reads, whose coroutines and
+    tasks report their own failures whenever the garbage collector finds them, possibly after the
+    one-line error was raised or at exit: not the user's news. Installed once, for Orbax's alone."""
+    import inspect
+    import logging
+    import sys
+
+    asyncio_log = logging.getLogger("asyncio")
+    if any(isinstance(f, _AbandonedOrbaxReads) for f in asyncio_log.filters):
+        return
+    asyncio_log.addFilter(_AbandonedOrbaxReads())
+    hook = sys.unraisablehook
+
+    def quiet(u):
+        code = getattr(u.object, "cr_code", None)
+        if not (inspect.iscoroutine(u.object) and code is not None and "orbax" in code.co_filename):
+            hook(u)
+    sys.unraisablehook = quiet
+
+
 def _restore_params(path: str):
     """An Orbax params checkpoint, restored onto this process's first device whatever topology saved it.
     Restored eagerly, so a damaged file (TensorStore's read errors included) is a ModelLoadError here."""
     import gc
-    import inspect
     import logging
-    import sys
 
     from hsd_jax.loading.errors import one_line
 
     if not os.path.isdir(path):
         raise ModelLoadError(f"drafter weights not found: {path}")
-    hook = sys.unraisablehook
-
-    def quiet(u):   # when one read fails, Orbax drops its other reads' coroutines unawaited: not the user's news
-        if not inspect.iscoroutine(u.object):
-            hook(u)
-
+    _quiet_abandoned_orbax_reads()
     absl = logging.getLogger("absl")   # Orbax logs what it fails to parse: the error below says it once
     level = absl.level
-    sys.unraisablehook = quiet
     absl.setLevel(logging.CRITICAL)
     try:
         try:
@@ -327,7 +348,6 @@ def _restore_params(path: str):
             failure = one_line(e)
         gc.collect()
     finally:
-        sys.unraisablehook = hook
         absl.setLevel(level)
     raise ModelLoadError(f"{path}: damaged Orbax checkpoint: {failure}")
 
