@@ -533,17 +533,38 @@ class Programs:
     capacity: int
 
 
-def programs(target: Target, spec, drafter, sampling: SamplingConfig, mesh=None) -> Programs:
+def exact_rows(exact, spec) -> int:
+    """The row width of every target forward after the prefill that `generate(..., exact=...)` asks
+    for (0: each method's own: 1 for ar, the verify tree's for the others). True:
+    `engine.EXACT_ROWS`; an int: that many rows, at least the method's verify tree."""
+    from hsd_jax import engine
+
+    if exact is False or exact is None:
+        return 0
+    if exact is True:
+        rows = engine.EXACT_ROWS
+    elif isinstance(exact, (int, np.integer)) and exact >= 1:
+        rows = int(exact)
+    else:
+        raise InputError(f"exact must be True, False or a row count >= 1, got {exact!r}")
+    if spec is not None and rows < spec.verify_slots:
+        raise InputError(f"exact={exact!r}: {rows} rows are narrower than method {spec.method!r}'s verify tree "
+                         f"of {spec.verify_slots} slots: pass exact=N with N >= {spec.verify_slots}")
+    return rows
+
+
+def programs(target: Target, spec, drafter, sampling: SamplingConfig, mesh=None, rows: int = 0) -> Programs:
     """The prefill and decode programs of `generate` for this target, method spec (None: ar),
-    drafter and sampling."""
+    drafter and sampling; `rows` > 0: every decode or verify forward at that many rows (`exact_rows`)."""
     from hsd_jax import engine
 
     capacity = cache_capacity(target)
     tparams = serving_params(target) if mesh is None else target.params
+    exact = dict(rows=rows) if rows else {}
     if spec is None:
         return Programs((tparams,), engine.ar_prefill, engine.ar_decode,
                         dict(cfg=target.config, sampling=sampling, capacity=capacity),
-                        dict(cfg=target.config, sampling=sampling), compile_options(target.params), capacity)
+                        dict(cfg=target.config, sampling=sampling, **exact), compile_options(target.params), capacity)
     tcfg = target.config
     if getattr(drafter.config, "feature_layers", ()):  # the drafter reads these target layers' outputs
         tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
@@ -551,7 +572,7 @@ def programs(target: Target, spec, drafter, sampling: SamplingConfig, mesh=None)
     dparams = serving_drafter_params(drafter, target) if mesh is None else drafter.params
     static = dict(tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling)
     return Programs((tparams, dparams, d2t), engine.spec_prefill, engine.spec_decode,
-                    dict(static, capacity=capacity), static, compile_options(target.params), capacity)
+                    dict(static, capacity=capacity), dict(static, **exact), compile_options(target.params), capacity)
 
 
 def _run(progs: Programs, tokens, lengths, key, max_new_tokens: int, mesh, target: Target, drafter) -> tuple:
@@ -578,7 +599,8 @@ def _run(progs: Programs, tokens, lengths, key, max_new_tokens: int, mesh, targe
 
 def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int = 1, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, mesh=None, prompt_bucket: int = PROMPT_BUCKET,
-           max_prompt_len: int | None = None, tuned: bool = False, progress: bool = True, **options) -> dict:
+           max_prompt_len: int | None = None, tuned: bool = False, progress: bool = True, exact: bool | int = False,
+           **options) -> dict:
     """Compile ahead of serving what `generate` with these arguments will run: the prefill program
     of every prompt bucket (up to `max_prompt_len` tokens' bucket; default the cache capacity) and
     the decode loop, which then serves every prompt length and `max_new_tokens`. Programs land in
@@ -594,7 +616,7 @@ def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int 
         raise InputError(f"prompt_bucket must be >= 1, got {prompt_bucket}")
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
     spec, drafter = _method_spec(target, method, drafter, tuned, options)
-    progs = programs(target, spec, drafter, sampling, mesh)
+    progs = programs(target, spec, drafter, sampling, mesh, exact_rows(exact, spec))
     buckets = prompt_buckets(progs.capacity, prompt_bucket, max_prompt_len)
     bar = tqdm(total=len(buckets) + 1, desc=f"warmup {method}", unit="program",
                disable=not (progress and distributed.is_primary()))
@@ -620,7 +642,7 @@ def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int 
 def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False, method: str = "ar",
              drafter=None, mesh=None, prompt_bucket: int = PROMPT_BUCKET, tuned: bool = False,
-             **options) -> list[GenerationResult]:
+             exact: bool | int = False, **options) -> list[GenerationResult]:
     """Generate a continuation per prompt; one result per prompt.
 
     Two compiled programs run (`programs`): a prefill per prompt bucket, then one decode loop
@@ -637,18 +659,27 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
 
     prompt_bucket: the smallest prompt bucket: prompts are right-padded to prompt_bucket x 2^k
     tokens (at most the cache capacity), each padded length one prefill program.
+
+    exact: True (`engine.EXACT_ROWS` rows) or a row count N: every target forward after the
+    prefill runs at N rows, ar's steps padded with inactive rows and each verify tree with
+    unreachable slots, so a token's arithmetic (matmul shapes, attention row packing) is the same
+    in ar's step and in any method's verify: what bf16 greedy identity between them needs on an
+    accelerator (BENCHMARKS.md). Costs the wider forwards; a method's tree must fit in N.
     """
     check_request(prompts, max_new_tokens, prompt_bucket)
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
     spec, drafter = _method_spec(target, method, drafter, tuned, options)
+    rows = exact_rows(exact, spec)
     ids = encode_prompts(target, prompts, chat)
     longest = max(len(p) for p in ids)
     slack = 0 if spec is None else spec.cache_slack
+    if rows:   # the padded forwards write scratch K/V up to `rows` slots past the committed length
+        slack = max(slack, rows + (0 if spec is None else spec.verify_depth + 1))
     if longest + max_new_tokens + slack > target.max_cache_len:
         raise InputError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens}"
                          + (f" + draft tree {slack}" if slack else "")
                          + f" exceeds the cache capacity max_cache_len={target.max_cache_len}")
-    progs = programs(target, spec, drafter, sampling, mesh)
+    progs = programs(target, spec, drafter, sampling, mesh, rows)
     tokens, lengths = pad_prompts(ids, prompt_bucket, progs.capacity)
     out, secs = _run(progs, tokens, lengths, jax.random.key(seed), max_new_tokens, mesh, target, drafter)
     elapsed = secs["prefill"] + secs["decode"]
@@ -665,7 +696,7 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
                  "rounds": rounds, "tau": (n - 1) / rounds if rounds else 1.0, "drafter_forwards": dsteps,
                  "accepted_hist": hist, "seconds": elapsed, "compile_seconds": secs["compile"],
                  "prefill_seconds": secs["prefill"], "decode_seconds": secs["decode"],
-                 "tokens_per_s": n / elapsed if elapsed > 0 else 0.0}
+                 "tokens_per_s": n / elapsed if elapsed > 0 else 0.0, "exact_rows": rows}
         if spec is not None:
             stats.update(reuse=spec.reuse, tree_nodes=spec.tree_nodes, tree_depth=spec.depth, tree_top_k=spec.tree_top_k,
                          lookup_slots=spec.lookup_slots, lookup_min_match=spec.lookup_min_match,

@@ -9,7 +9,7 @@ import sys
 from hsd_jax import methods
 from hsd_jax.bench import METHOD_NAMES
 from hsd_jax.config import SamplingConfig
-from hsd_jax.engine import REUSE_POLICIES, SpecConfig
+from hsd_jax.engine import EXACT_ROWS, REUSE_POLICIES, SpecConfig
 
 
 class UsageError(ValueError):
@@ -39,6 +39,7 @@ def _add_generate(sub):
     p.add_argument("--random-drafter", action="store_true",
                    help="use an untrained random drafter (engine checks only: acceptance is low)")
     _add_tree_args(p)
+    _add_exact_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.add_argument("--verbose", action="store_true",
                    help="print where the time went (load, compile, prefill, decode) on stderr")
@@ -66,6 +67,13 @@ def _add_tree_args(p):
                         "explicit tree flags still win")
 
 
+def _add_exact_arg(p):
+    p.add_argument("--exact", nargs="?", const=True, default=False, type=int, metavar="N",
+                   help="run every target forward after the prefill at N rows (default "
+                        f"{EXACT_ROWS}): ar's steps padded to a verify's width, so bf16 outputs of ar and "
+                        "every method match on an accelerator; costs the wider forwards")
+
+
 def _spec_options(a, method: str) -> dict:
     """The speculative options given on the command line, checked now (before any model loads)
     by the same `SpecConfig` that `generate` builds."""
@@ -73,8 +81,12 @@ def _spec_options(a, method: str) -> dict:
              "lookup_slots": a.lookup_slots, "lookup_min_match": a.lookup_min_match, "min_draft_prob": a.min_draft_prob,
              "reuse": getattr(a, "reuse", None)}
     opts = {k: v for k, v in given.items() if v is not None}
-    if method != "ar":
-        SpecConfig(method=method, **opts)
+    spec = SpecConfig(method=method, **opts) if method != "ar" else None
+    if getattr(a, "exact", False) is not False:
+        from hsd_jax.api import exact_rows
+
+        exact_rows(a.exact, spec)
+        opts["exact"] = a.exact
     if a.tuned:
         opts["tuned"] = True
     return opts
@@ -210,6 +222,7 @@ def _add_warmup(sub):
     p.add_argument("--attention-impl", choices=["auto", "pallas", "reference"], default="auto")
     p.add_argument("--reuse", default=None, choices=list(REUSE_POLICIES))
     _add_tree_args(p)
+    _add_exact_arg(p)
     _add_mesh_arg(p)
     p.set_defaults(func=cmd_warmup)
 

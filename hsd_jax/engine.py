@@ -41,21 +41,37 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 prefill = llama.prefill
 
 
-def decode_step(params, cfg: ModelConfig, tokens, cache: KVCache):
-    """Feed one token per sequence [B] at position lengths[b]; returns (features [B, d], cache)."""
+EXACT_ROWS = 32   # `generate(..., exact=True)`: every target forward after the prefill at this many rows
+
+
+def decode_forward(params, cfg: ModelConfig, tokens, cache: KVCache, rows: int = 1) -> llama.ForwardOutput:
+    """One token per sequence [B] at position lengths[b], in a forward of `rows` rows: row 0 the
+    token, rows 1.. padding shaped as `tree.pad_tree`'s unreachable slots (token 0 at the same
+    position, no parent, seen by no row, inactive) so that the token's arithmetic is that of a
+    verify row at this width (`exact`). Their K/V land in scratch slots past the token's."""
     b = tokens.shape[0]
-    parents = jnp.full((b, 1), -1, jnp.int32)
-    out = llama.forward(params, cfg, tokens[:, None], cache.lengths[:, None], cache, parents)
-    return out.features[:, 0], advance(out.cache, jnp.ones((b,), jnp.int32))
+    toks = jnp.zeros((b, rows), jnp.int32).at[:, 0].set(tokens)
+    active = None if rows == 1 else jnp.broadcast_to(jnp.arange(rows) < 1, (b, rows))
+    return llama.forward(params, cfg, toks, jnp.broadcast_to(cache.lengths[:, None], (b, rows)), cache,
+                         jnp.full((b, rows), -1, jnp.int32), active)
+
+
+def decode_step(params, cfg: ModelConfig, tokens, cache: KVCache, rows: int = 1):
+    """Feed one token per sequence [B] (`decode_forward`); returns (features [B, rows, d], cache
+    advanced by one). Row 0 is the token's; the padding rows' features are meaningless but finite,
+    kept so that the head runs over as many rows as a verify's does."""
+    out = decode_forward(params, cfg, tokens, cache, rows)
+    return out.features, advance(out.cache, jnp.ones((tokens.shape[0],), jnp.int32))
 
 
 def next_token(params, cfg: ModelConfig, features, key, sampling: SamplingConfig,
                screen: llama.HeadScreen | None = None):
-    """The target's next token after features [B, d]: its argmax at T = 0 (certified from the
-    bf16 `screen` where given), else a sample from its f32 logits."""
+    """The target's next token after features [B, R, d] (row 0's; the head runs over all R rows,
+    as a verify's does): its argmax at T = 0 (certified from the bf16 `screen` where given), else
+    a sample from its f32 logits."""
     if sampling.greedy:
-        return llama.serving_argmax(params, cfg, features, screen)
-    return sample(llama.serving_logits(params, cfg, features), key, sampling)
+        return llama.serving_argmax(params, cfg, features, screen)[:, 0]
+    return sample(llama.serving_logits(params, cfg, features)[:, 0], key, sampling)
 
 
 class Prefilled(NamedTuple):
@@ -101,21 +117,23 @@ class ArLoop(NamedTuple):
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
-def ar_decode(params, pre: Prefilled, max_new_tokens, *, cfg: ModelConfig, sampling: SamplingConfig) -> DecodeOutput:
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "rows"))
+def ar_decode(params, pre: Prefilled, max_new_tokens, *, cfg: ModelConfig, sampling: SamplingConfig,
+              rows: int = 1) -> DecodeOutput:
     """Plain autoregressive decoding with a KV cache (the baseline every method must match) from
     `ar_prefill`'s output, up to `max_new_tokens` (traced: one program for every bound); tokens
-    come back [B, capacity], -1 from num_tokens on."""
+    come back [B, capacity], -1 from num_tokens on. `rows` > 1 (`exact`): each step's forward and
+    head run at that many rows, the verify width of the method compared (`decode_forward`)."""
     b, capacity = pre.cache.batch_size, pre.cache.capacity
     max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
     first = pre.root
     tokens = jnp.full((b, capacity), -1, jnp.int32).at[:, 0].set(first)
     count = jnp.ones((b,), jnp.int32)
     done = is_eos(first, cfg.eos_token_ids) | (max_new_tokens <= 1)
-    screen = llama.head_screen(params, cfg, b) if sampling.greedy else None
+    screen = llama.head_screen(params, cfg, b * rows) if sampling.greedy else None
 
     def body(s: ArLoop) -> ArLoop:
-        features, cache = decode_step(params, cfg, s.last, s.cache)
+        features, cache = decode_step(params, cfg, s.last, s.cache, rows)
         key, sub = jax.random.split(s.key)
         new = next_token(params, cfg, features, sub, sampling, screen)
         live = ~s.done
@@ -296,20 +314,24 @@ def spec_prefill(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcfg
                      prompt_lens.astype(jnp.int32), key)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "sampling"))
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "sampling", "rows"))
 def spec_decode(tparams, dparams, d2t, pre: Prefilled, max_new_tokens, *, tcfg: ModelConfig, dcfg,
-                spec: SpecConfig, sampling: SamplingConfig) -> SpecOutput:
+                spec: SpecConfig, sampling: SamplingConfig, rows: int = 0) -> SpecOutput:
     """Speculative decoding with `spec.method` from `spec_prefill`'s output, all rounds in one
     `lax.while_loop`: the method drafts, the target verifies the tree in one forward, the accepted
     path is committed, and the method updates its state. `max_new_tokens` is traced (one program
-    for every bound and prompt length); tokens come back [B, capacity], -1 from num_tokens on."""
+    for every bound and prompt length); tokens come back [B, capacity], -1 from num_tokens on.
+    `rows` > 0 (`exact`): every verify forward at that many rows, the tree padded with unreachable,
+    inactive slots (`tree.pad_tree`), as `ar_decode(rows=...)` pads its steps."""
     method = methods.REGISTRY[spec.method]
+    if rows and rows < spec.verify_slots:
+        raise ConfigError(f"rows {rows} is narrower than the {spec.verify_slots}-slot verify tree")
     b, capacity = pre.cache.batch_size, pre.cache.capacity
     max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
     depth = spec.verify_depth
     rnd = _round(tparams, tcfg, dparams, dcfg, d2t, spec, sampling, pre.prompt, pre.prompt_lens, capacity)
     screens = {n: llama.head_screen(tparams, tcfg, b * n) if spec.head_screen and sampling.greedy else None
-               for n in {spec.slots, spec.verify_slots}}
+               for n in {spec.slots, spec.verify_slots} | ({rows} if rows else set())}
     root = pre.root
     tokens = jnp.full((b, capacity + depth + 1), -1, jnp.int32).at[:, 0].set(root)
     count = jnp.ones((b,), jnp.int32)
@@ -334,9 +356,14 @@ def spec_decode(tparams, dparams, d2t, pre: Prefilled, max_new_tokens, *, tcfg: 
         if spec.min_draft_prob:   # unlikely drafts leave the tree, their rows skipped
             tree, keep = tree_lib.prune_tree(tree, math.log(spec.min_draft_prob))
             active = keep if active is None else active & keep
+        if rows > tree.num_slots:   # exact: the verify at the common row width, the padding inactive
+            own = jnp.arange(rows) < tree.num_slots
+            active = own if active is None else jnp.pad(active, ((0, 0), (0, rows - tree.num_slots)))
+            tree = tree_lib.pad_tree(tree, rows, depth)
+            active = jnp.broadcast_to(active, tree.tokens.shape)
         vout = verify_tree(tparams, tcfg, s.tcache, tree, active)
         acc = target_verdict(tparams, tcfg, tree, vout.features, k_acc, sampling, draft.chain, screens[tree.num_slots])
-        rows = tree.num_slots if active is None else active.sum(1, dtype=jnp.int32)
+        computed = tree.num_slots if active is None else active.sum(1, dtype=jnp.int32)
         draft = draft._replace(tree=tree)   # slots of the own tree keep their index in the union
         tcache = commit(vout.cache, acc, live)
         dstate, more = method.update(rnd, draft.state, draft, acc, vout, live)
@@ -352,7 +379,7 @@ def spec_decode(tparams, dparams, d2t, pre: Prefilled, max_new_tokens, *, tcfg: 
         st = s.stats
         stats = SpecStats(st.rounds + live, st.accepted_hist.at[jnp.arange(b), acc.num_accepted].add(live),
                           st.drafter_steps + jnp.where(live, draft.steps + more, 0), st.lookup_rounds + (live & wide),
-                          st.verified_slots + jnp.where(live, rows, 0))
+                          st.verified_slots + jnp.where(live, computed, 0))
         return SpecLoop(tcache, dstate, jnp.where(live, acc.token, s.root), tokens, count, done, key, stats)
 
     s = jax.lax.while_loop(lambda s: jnp.any(~s.done), body,
