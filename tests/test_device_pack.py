@@ -32,13 +32,13 @@ def _dry_run(parts: str, out, work, model, *flags) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     """Every part on a tiny random GGUF with SmolLM2's tokenizer (the staged-model path a lease uses):
-    the pack's code end to end at a fraction of SmolLM2's compile and run time. Four parts run
+    the pack's code end to end at a fraction of SmolLM2's compile and run time. Six parts run
     `--in-process` (one JAX start-up and model load), the kernel part at the same time through the
     per-part process driver a lease uses."""
     out, work = tmp_path_factory.mktemp("pack_out"), tmp_path_factory.mktemp("pack_work")
     model = tiny_smollm2_gguf(tmp_path_factory.mktemp("pack_model") / "model.gguf")
     kernel_out = tmp_path_factory.mktemp("pack_kernel_out")
-    procs = {"main": _dry_run("smoke,train,bench,tune", out, work, model, "--in-process"),
+    procs = {"main": _dry_run("smoke,train,scale,exact,bench,tune", out, work, model, "--in-process"),
              "kernel": _dry_run("kernel", kernel_out, tmp_path_factory.mktemp("pack_kernel_work"), model)}
     runs = {}
     for name, proc in procs.items():
@@ -62,7 +62,7 @@ def test_dry_run_every_part_succeeds_and_returns_at_most_eight_flat_files(dry_ru
     assert len(files) <= 8, files
     assert {"summary.md", "results.json", "log.txt", "bench.png", "tuned.json", "drafters.tar"} <= set(files)
     statuses = {name: p["status"] for o in (out, kernel_out) for name, p in _results(o).items()}
-    assert statuses == dict.fromkeys(("smoke", "train", "bench", "tune", "kernel"), "ok")
+    assert statuses == dict.fromkeys(("smoke", "train", "scale", "exact", "bench", "tune", "kernel"), "ok")
     log = (out / "log.txt").read_text()     # in one process, each part's output still lands under its header
     assert log.index("===== part train") < log.index("train data:") < log.index("===== part bench")
 
@@ -85,6 +85,18 @@ def test_dry_run_results_are_real_measurements(dry_run):
     assert parts["bench"]["drafters"]["hsd"].endswith("run_hsd/drafter")  # the drafters trained by this run
     identity = parts["bench"]["identity_f32"]
     assert identity.pop("prompts") == 2 and identity and all(identity.values())
+    scale = parts["scale"]["targets"]["tiny-shape"]        # random bf16 target: costs, and the model's speedups
+    assert scale["ar_ms_per_token"] > 0 and set(scale["verify_ms"]) == {"1", "2", "4"}   # the sweep + the tree's width
+    for kind in ("hsd", "eagle", "eagle3"):
+        k = scale["kinds"][kind]
+        assert k["round_ms"] > 0 and k["drafter_steps_per_round"] >= 1 and k["speedup_at_smollm2_tau"] > 0
+    exact = parts["exact"]          # float32 on the CPU: identical with and without exact
+    assert exact["rows"] == 8 and exact["ar_exact_equals_ar"]["min"] == 1.0
+    assert all(exact[mode]["hsd"]["identical_to_ar"] for mode in ("plain", "exact"))
+    diffs = exact["layer_diffs"]
+    assert set(diffs) == {"plain/chain", "plain/tree", "exact/chain", "exact/tree"}
+    assert all(len(d["max_abs_diff_by_layer"]) == 2 and d["argmax_equal"] for d in diffs.values())
+    assert diffs["exact/chain"]["rows"] == [8, 8] and diffs["plain/tree"]["rows"] == [1, 5]
     tuned = json.loads((out / "tuned.json").read_text())
     assert set(tuned["tree"]) == {"tree_nodes", "tree_depth", "tree_top_k"} and tuned["verify_cost_ms"]
     errors = {e["dtype"]: e["max_abs_diff"] for e in parts["kernel"]["errors"]}
@@ -108,7 +120,7 @@ def test_bad_parts_is_one_clear_error(tmp_path):
     proc = subprocess.run(["bash", str(RUN), "--dry-run", "--parts", "train,warp", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "--parts must list some of smoke, train, bench, tune, kernel" in proc.stderr
+    assert "--parts must list some of smoke, train, scale, exact, bench, tune, kernel" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

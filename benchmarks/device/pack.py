@@ -6,6 +6,11 @@ Parts, most valuable first (each runs alone, in its own process, under its own d
           HSD, EAGLE-style and EAGLE-3 drafters trained by `hsd_jax.train.trainer.train` (the
           `hsd train` code path) at GPU scale, equal steps; returns the bf16 drafters with held-out
           diagnostics;
+  scale   random-weight bf16 targets of Llama-3.1-8B and Llama-3.2-1B shapes: ar ms per token, verify ms
+          by N, each drafter kind's round (draft, overhead), the speedup each reaches at SmolLM2's tau;
+  exact   bf16 greedy identity: each method's prefix match against ar with and without
+          `generate(..., exact=N)` (one row width for every target forward), its cost, and per layer
+          where a token's 1-row and k-row computations part;
   bench   `hsd bench` on MT-bench, batch 1 and batch 8, every method side by side against ar;
   tune    the target's verify-cost curve (N = 1..64) and `hsd tune` on a GPU-sized tree grid;
   kernel  the Pallas tree-attention kernel against the jnp reference: errors (f32, bf16) and time
@@ -14,7 +19,7 @@ Parts, most valuable first (each runs alone, in its own process, under its own d
 Everything returned lies directly under --out (at most 8 files): summary.md, results.json,
 log.txt, bench.png, tuned.json, drafters.tar (hsd/, eagle/, eagle3/), data.tar (the token shards,
 when they fit in 15 MiB). `--dry-run` runs every part
-on the CPU with tiny sizes (the test suite does, so the pack cannot rot between leases: four parts
+on the CPU with tiny sizes (the test suite does, so the pack cannot rot between leases: six parts
 `--in-process`, in one process, and one through the per-part process driver).
 
     bash benchmarks/device/run.sh --parts train,bench,tune --out $OUT --model /tmp/hsd_stage/model.gguf \
@@ -37,9 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("smoke", "train", "bench", "tune", "kernel")
+PARTS = ("smoke", "train", "scale", "exact", "bench", "tune", "kernel")
 # share of the time budget per part (of the parts asked for; renormalised)
-SHARE = {"smoke": 0.15, "train": 0.47, "bench": 0.33, "tune": 0.12, "kernel": 0.2}
+SHARE = {"smoke": 0.15, "train": 0.47, "scale": 0.3, "exact": 0.3, "bench": 0.33, "tune": 0.12, "kernel": 0.2}
 MARGIN_S = 12  # a part stops starting new work this long before its hard limit
 
 
@@ -87,6 +92,17 @@ class Sizes:
     kernel_repeats: int = 50          # calls per timed loop (inside one jit)
     kernel_batch: int = 8
     max_cache_len: int = 1024
+    scale_targets: tuple = ("llama-3.1-8b-shape", "llama-3.2-1b-shape")   # the bigger first: a cut run keeps it
+    scale_context: int = 512          # cached tokens before the timed rounds
+    scale_new_tokens: int = 64
+    scale_verify_n: tuple = (1, 2, 4, 8, 16, 32, 64)
+    scale_repeats: int = 10
+    scale_kinds: tuple = ("hsd", "eagle", "eagle3")
+    exact_prompts: int = 8            # MT-bench, one batch
+    exact_new_tokens: int = 96
+    exact_rows: int = 32              # engine.EXACT_ROWS: the bench tree's 25 slots fit
+    exact_methods: str = "hsd,eagle,eagle3,sd,lookup"
+    exact_diag_tokens: int = 4        # tokens recomputed both ways before the first difference
 
 
 DRY = Sizes(smoke_dtypes=("float32",), gen_batch=4, gen_new_tokens=8, gen_prompt_tokens=96, gen_bucket=32, gen_share=0.5, min_prompts=8, max_prompts=24,
@@ -94,7 +110,9 @@ DRY = Sizes(smoke_dtypes=("float32",), gen_batch=4, gen_new_tokens=8, gen_prompt
             feature_batch=2, bench_prompts=2, bench_new_tokens=6, bench_bucket=32, bench_tree=(3, 2, 2),
             bench_batch8_methods="ar,hsd-refresh", bench_batch1_methods="ar,eagle,eagle3",
             identity_prompts=2, identity_always=True, tune_sizes=(1, 2), tune_grid=((2, 2, 1),), tune_prompts=2, tune_finalists=1, tune_new_tokens=4, tune_lookup=(0,), tune_lookup_min_match=(2,), train_overhead_s=2.0,
-            kernel_n=(1, 4), kernel_seq=(256,), kernel_repeats=2, kernel_batch=2, max_cache_len=256)
+            kernel_n=(1, 4), kernel_seq=(256,), kernel_repeats=2, kernel_batch=2, max_cache_len=256,
+            scale_targets=("tiny-shape",), scale_context=24, scale_new_tokens=6, scale_verify_n=(1, 2), scale_repeats=2,
+            exact_prompts=2, exact_new_tokens=8, exact_rows=8, exact_methods="hsd", exact_diag_tokens=3)
 
 
 def log(*a):
@@ -420,10 +438,237 @@ def part_kernel(args, deadline: float) -> dict:
     return out
 
 
-PART_FUNCS = {"smoke": part_smoke, "train": part_train, "bench": part_bench, "tune": part_tune, "kernel": part_kernel}
+# Tokens per verify round measured on SmolLM2 (the bench part's batch-1 taus replace these when this
+# lease's bench part ran first): the H200 lease of 2026-11-30 at tree 24/6/4 (BENCHMARKS.md; eagle had
+# 79 training steps there), eagle3 the CPU's 8/4/3 (not run on a GPU yet).
+SMOLLM2_TAU = {"hsd": (1.82, "H200 2026-11-30, 24/6/4"), "eagle": (1.27, "H200 2026-11-30, 24/6/4, 79 steps"),
+               "eagle3": (1.63, "CPU, 8/4/3")}
+
+
+def _smollm2_tau(args) -> dict:
+    """{kind: (tau, source)}: this run's bench part (batch 1) where it ran, else SMOLLM2_TAU."""
+    taus = dict(SMOLLM2_TAU)
+    rec = args.work / "part_bench.json"
+    if rec.is_file():
+        methods = (json.loads(rec.read_text()).get("result") or {}).get("batch1", {}).get("methods", {})
+        for kind in taus:
+            name = next((n for n in (kind, f"{kind}-noreuse") if n in methods), None)
+            if name:
+                taus[kind] = (methods[name]["tau"], f"this run's bench part ({name}, batch 1)")
+    return taus
+
+
+def _scale_config(name: str):
+    """A published shape (`hsd_jax.compile.SHAPES`), or the dry run's tiny stand-in, in bf16 with no
+    EOS (random weights must not stop early)."""
+    from hsd_jax.compile import SHAPES
+    from hsd_jax.config import ModelConfig
+
+    cfg = SHAPES.get(name) or ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                                          num_heads=4, num_kv_heads=2, head_dim=16)
+    return cfg.replace(dtype="bfloat16", eos_token_ids=())
+
+
+def _round_ms(target, prompt, n_new, method="ar", drafter=None, **opts):
+    """(ms per round of `method`'s decode loop (per token for ar), its stats) from a second call (the
+    first compiles)."""
+    from hsd_jax import generate
+
+    for _ in range(2):
+        res = generate(target, [prompt], max_new_tokens=n_new, method=method, drafter=drafter, **opts)[0]
+    s = res.stats
+    return s["decode_seconds"] * 1e3 / max(s["rounds"], 1), s
+
+
+def part_scale(args, deadline: float) -> dict:
+    """Random-weight bf16 targets of Llama-3.2-1B and Llama-3.1-8B shapes: ar ms per token, verify ms
+    by N, each drafter kind's round, and the speedup each would reach at SmolLM2's tau. Random
+    weights: cost, not acceptance."""
+    import gc
+
+    import jax
+    import numpy as np
+
+    from hsd_jax import load_drafter
+    from hsd_jax import tune as tune_mod
+    from hsd_jax.api import Target, round_up
+    from hsd_jax.engine import SpecConfig
+    from hsd_jax.models import llama
+
+    s = args.sizes
+    nodes, depth, top_k = s.bench_tree
+    tree = dict(tree_nodes=nodes, tree_depth=depth, tree_top_k=top_k)
+    width = nodes + 1
+    taus = _smollm2_tau(args)
+    out = {"model": "speedup = tau x t_ar / t_round; t_round = t_verify(N) + t_draft + t_overhead, one round of "
+                    "the method's decode loop timed whole; t_overhead = a lookup round at the same N (no drafter: "
+                    "chain of `depth`, verified at N rows) - t_verify(N); t_draft = t_round - that lookup round",
+           "tree": tree, "context": s.scale_context, "new_tokens": s.scale_new_tokens,
+           "tau_smollm2": {k: {"tau": t, "source": src} for k, (t, src) in taus.items()}, "targets": {}}
+    for name in s.scale_targets:
+        if time.time() > deadline - MARGIN_S:
+            out["cut_by_deadline"] = True
+            break
+        t0 = time.time()
+        cfg = _scale_config(name).replace(attention_impl=args.attention_impl)
+        params = llama.init_params(cfg, jax.random.key(0))     # one jitted program: created on the device
+        jax.block_until_ready(params)
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+        slack = max(SpecConfig(method=k, **tree).cache_slack for k in s.scale_kinds)
+        target = Target(params, cfg, None, round_up(s.scale_context + s.scale_new_tokens + slack + width, 128), name)
+        prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, s.scale_context).tolist()
+        row = out["targets"][name] = {"params": n_params, "init_s": round(time.time() - t0, 1)}
+        row["ar_ms_per_token"], _ = _round_ms(target, prompt, s.scale_new_tokens)
+        write_json(args.work / "scale.partial.json", out)
+        sizes = sorted(set(s.scale_verify_n) | {width})
+        row["verify_ms"] = tune_mod.verify_cost_curve(target, sizes=sizes, context=s.scale_context, repeats=s.scale_repeats)
+        write_json(args.work / "scale.partial.json", out)
+        base, _ = _round_ms(target, prompt, s.scale_new_tokens, "lookup", gamma=depth, exact=width)
+        row["lookup_round_ms"] = base
+        row["overhead_ms"] = base - row["verify_ms"][width]
+        rounds = row["kinds"] = {}
+        drafter = None
+        for kind in s.scale_kinds:
+            if time.time() > deadline - MARGIN_S:
+                row["cut_by_deadline"] = True
+                break
+            drafter = load_drafter(kind, target=target, random_init=True)
+            ms, st = _round_ms(target, prompt, s.scale_new_tokens, kind, drafter, **tree)
+            steps = st["drafter_forwards"] / max(st["rounds"], 1)
+            tau = taus.get(kind, (None, None))[0]
+            rounds[kind] = {"round_ms": ms, "drafter_steps_per_round": steps, "draft_ms": ms - base,
+                            "step_ms": (ms - base) / steps if steps else None,
+                            "speedup_at_smollm2_tau": tau * row["ar_ms_per_token"] / ms if tau else None}
+            write_json(args.work / "scale.partial.json", out)
+        row["seconds"] = round(time.time() - t0, 1)
+        log(f"scale {name}: {row}")
+        del target, params, drafter
+        gc.collect()
+    return out
+
+
+def _layer_diffs(target, prompt, cont, rows: int) -> dict:
+    """Where a token's two computations part: `cont`'s tokens after `prompt`, (a) one per decode
+    forward (1 row, or `rows` with exact), (b) all in one verify forward, their slots a chain or a
+    tree (a decoy sibling before each, so the path's slots are not contiguous), padded to `rows`
+    with exact. Per layer, the largest |a - b| over the tokens' outputs; and whether the heads agree."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hsd_jax import engine
+    from hsd_jax import tree as tree_lib
+    from hsd_jax.api import round_up
+    from hsd_jax.cache import advance
+    from hsd_jax.models import llama
+
+    cfg = target.config.replace(feature_layers=tuple(range(target.config.num_layers)))
+    params, k = target.params, len(cont)
+    capacity = round_up(len(prompt) + 2 * k + max(rows, 1) + 16, 16)
+    prefill = jax.jit(llama.prefill_new_cache, static_argnames=("cfg", "capacity"))
+    step = jax.jit(engine.decode_forward, static_argnames=("cfg", "rows"))
+    verify = jax.jit(engine.verify_tree, static_argnames=("tcfg",))
+    head = jax.jit(lambda p, f: llama.serving_argmax(p, cfg, f, None))
+    _, pre = prefill(params, cfg, jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32),
+                     capacity=capacity)
+    out = {}
+    for mode, width in (("plain", 0), ("exact", rows)):
+        cache, a, a_tok = pre.cache, [], []
+        for t in cont:
+            o = step(params, cfg, jnp.asarray([t], jnp.int32), cache, rows=max(width, 1))
+            a.append(o.aux_features[:, 0, 0].astype(jnp.float32))
+            a_tok.append(int(head(params, o.features)[0, 0]))
+            cache = advance(o.cache, jnp.ones((1,), jnp.int32))
+        a = jnp.stack(a, 1)   # [L, k, d]
+        for layout in ("chain", "tree"):
+            if layout == "chain":
+                toks, parents, real = list(cont), list(range(-1, k - 1)), list(range(k))
+            else:   # slot 0 the root; at each depth a decoy, then the path's token
+                toks, parents, real = [cont[0]], [-1], [0]
+                for d in range(1, k):
+                    toks += [(cont[d] + 1) % cfg.vocab_size, cont[d]]
+                    parents += [real[-1], real[-1]]
+                    real.append(len(toks) - 1)
+            tr = tree_lib.build_tree(jnp.asarray([toks], jnp.int32), jnp.asarray([parents], jnp.int32),
+                                     jnp.zeros((1, len(toks)), jnp.float32), max(k - 1, 1))
+            if width > tr.num_slots:
+                tr = tree_lib.pad_tree(tr, width, tr.max_depth)
+            o = verify(params, cfg, pre.cache, tr)
+            b = o.aux_features[:, 0, np.asarray(real)].astype(jnp.float32)
+            b_tok = [int(t) for t in np.asarray(head(params, o.features))[0, real]]
+            out[f"{mode}/{layout}"] = {"rows": [max(width, 1), tr.num_slots],
+                                       "max_abs_diff_by_layer": [float(x) for x in jnp.max(jnp.abs(a - b), (1, 2))],
+                                       "argmax_equal": a_tok == b_tok}
+    return out
+
+
+def part_exact(args, deadline: float) -> dict:
+    """bf16 greedy identity: every method's prefix match against ar with and without `exact` (one
+    row width for ar's steps and every verify), its cost in tokens/s, and where the computations
+    of a token still part (`_layer_diffs`)."""
+    from hsd_jax import generate
+    from hsd_jax.bench import method_spec, prefix_match
+    from hsd_jax.methods import REGISTRY
+    from hsd_jax.prompts import load_suite
+
+    s = args.sizes
+    target = load_target(args)
+    drafters = _drafters(args, target)
+    ids = [target.encode(p, chat=True) for p in load_suite("mt_bench", s.exact_prompts)]
+    nodes, depth, top_k = s.bench_tree
+    tree = dict(tree_nodes=nodes, tree_depth=depth, tree_top_k=top_k)
+    out = {"dtype": target.config.dtype, "rows": s.exact_rows, "prompts": len(ids), "new_tokens": s.exact_new_tokens,
+           "tree": tree, "drafters": {k: v[1] for k, v in drafters.items()}, "plain": {}, "exact": {}}
+
+    def run(method, exact):
+        kind, opts = method_spec(method)
+        if kind != "ar":
+            opts = dict(opts, **({"gamma": 4} if REGISTRY[kind].drafts == "chain" else tree))
+        res = generate(target, ids, max_new_tokens=s.exact_new_tokens, method=kind,
+                       drafter=None if kind == "ar" else drafters[kind][0], exact=exact, **opts)
+        secs = res[0].stats["seconds"]
+        return [r.token_ids for r in res], round(sum(len(r.token_ids) for r in res) / secs, 1)
+
+    ar = {}
+    for mode, exact in (("plain", False), ("exact", s.exact_rows)):
+        ar[mode], tps = run("ar", exact)
+        out[mode]["ar"] = {"tokens_per_s": tps}
+    out["ar_exact_equals_ar"] = prefix_match(ar["exact"], ar["plain"])
+    write_json(args.work / "exact.partial.json", out)
+    first_diff = None
+    for method in s.exact_methods.split(","):
+        for mode, exact in (("plain", False), ("exact", s.exact_rows)):
+            if time.time() > deadline - MARGIN_S:
+                out["cut_by_deadline"] = True
+                break
+            toks, tps = run(method, exact)
+            out[mode][method] = {"prefix_match": prefix_match(toks, ar[mode]), "identical_to_ar": toks == ar[mode],
+                                 "tokens_per_s": tps}
+            if toks != ar[mode] and (first_diff is None or (mode == "exact" and first_diff[0] == "plain")):
+                i = next(j for j, (a, b) in enumerate(zip(toks, ar[mode])) if a != b)
+                at = next((n for n, (a, b) in enumerate(zip(toks[i], ar[mode][i])) if a != b), len(ar[mode][i]))
+                first_diff = (mode, method, i, at)
+            write_json(args.work / "exact.partial.json", out)
+        log(f"exact {method}: plain {out['plain'].get(method)}, exact {out['exact'].get(method)}")
+    # the first difference (in exact mode where there is one): the tokens before it, recomputed both ways
+    mode, method, i, at = first_diff or ("none", None, 0, min(s.exact_diag_tokens, len(ar["plain"][0])))
+    start = max(at - s.exact_diag_tokens, 0)
+    out["first_difference"] = {"mode": mode, "method": method, "prompt": i, "token": at if first_diff else None}
+    if time.time() < deadline - MARGIN_S and at > start:
+        out["layer_diffs"] = _layer_diffs(target, ids[i] + ar["plain"][i][:start], ar["plain"][i][start:at], s.exact_rows)
+        log(f"exact: layer diffs {out['layer_diffs']}")
+    return out
+
+
+PART_FUNCS = {"smoke": part_smoke, "train": part_train, "bench": part_bench, "tune": part_tune, "kernel": part_kernel,
+              "scale": part_scale, "exact": part_exact}
 
 
 # ---------------------------------------------------------------------------------------- driver
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def summary(results: dict, args) -> str:
@@ -460,6 +705,26 @@ def summary(results: dict, args) -> str:
                              f"{row.get('pallas_ms', row.get('error'))} ms")
         if name == "smoke" and res:
             lines.append(f"- {res}")
+        if name == "scale" and res:
+            lines += [f"- model: {res['model']}", f"- tau (SmolLM2): {res['tau_smollm2']}"]
+            for target, row in res.get("targets", {}).items():
+                lines.append(f"- {target} ({row['params'] / 1e9:.2f}B): ar {_ms(row.get('ar_ms_per_token'))} ms/token, "
+                             f"verify ms by N {row.get('verify_ms')}, overhead {_ms(row.get('overhead_ms'))} ms")
+                for kind, k in row.get("kinds", {}).items():
+                    lines.append(f"  - {kind}: round {_ms(k['round_ms'])} ms, draft {_ms(k['draft_ms'])} ms "
+                                 f"({k['drafter_steps_per_round']:.1f} steps of {_ms(k['step_ms'])} ms), "
+                                 f"speedup at SmolLM2's tau {k['speedup_at_smollm2_tau'] or 0:.2f}x")
+        if name == "exact" and res:
+            lines.append(f"- {res['dtype']}, {res['prompts']} prompts x {res['new_tokens']} tokens, exact = "
+                         f"{res['rows']} rows; ar exact vs ar: {res.get('ar_exact_equals_ar')}")
+            for mode in ("plain", "exact"):
+                lines.append(f"- {mode}: " + "; ".join(
+                    f"{m} {r['tokens_per_s']} tok/s" + (f", prefix match {r['prefix_match']}" if "prefix_match" in r else "")
+                    for m, r in res.get(mode, {}).items()))
+            lines.append(f"- first difference: {res.get('first_difference')}")
+            for key, d in res.get("layer_diffs", {}).items():
+                lines.append(f"  - {key} (rows {d['rows']}): argmax equal {d['argmax_equal']}, max |diff| by layer "
+                             + ", ".join(f"{x:.2g}" for x in d["max_abs_diff_by_layer"]))
         if r.get("error"):
             lines.append(f"- error: {r['error']}")
         lines.append("")
@@ -532,7 +797,7 @@ def drive(args) -> int:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="train,bench,tune,kernel", help=f"comma list of {','.join(PARTS)}")
+    p.add_argument("--parts", default="train,scale,exact,bench,tune,kernel", help=f"comma list of {','.join(PARTS)}")
     p.add_argument("--out", default=os.environ.get("OUT") or "runs/device_pack", help="folder for the results")
     p.add_argument("--work", default=None, help="scratch folder (data, features, runs); default /tmp/hsd_pack")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m or the staged .gguf file")
