@@ -555,17 +555,19 @@ def exact_rows(exact, spec) -> int:
 
 def programs(target: Target, spec, drafter, sampling: SamplingConfig, mesh=None, rows: int = 0) -> Programs:
     """The prefill and decode programs of `generate` for this target, method spec (None: ar),
-    drafter and sampling; `rows` > 0: every decode or verify forward at that many rows (`exact_rows`)."""
+    drafter and sampling; `rows` > 0: every decode or verify forward at that many rows (`exact_rows`),
+    with `engine.EXACT_ATTENTION`."""
     from hsd_jax import engine
 
     capacity = cache_capacity(target)
     tparams = serving_params(target) if mesh is None else target.params
     exact = dict(rows=rows) if rows else {}
+    # exact: attention reduces over each row's keys in position order, whatever the tree's layout
+    tcfg = target.config.replace(attention_impl=engine.EXACT_ATTENTION) if rows else target.config
     if spec is None:
         return Programs((tparams,), engine.ar_prefill, engine.ar_decode,
-                        dict(cfg=target.config, sampling=sampling, capacity=capacity),
-                        dict(cfg=target.config, sampling=sampling, **exact), compile_options(target.params), capacity)
-    tcfg = target.config
+                        dict(cfg=tcfg, sampling=sampling, capacity=capacity),
+                        dict(cfg=tcfg, sampling=sampling, **exact), compile_options(target.params), capacity)
     if getattr(drafter.config, "feature_layers", ()):  # the drafter reads these target layers' outputs
         tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
     d2t = np.zeros((1,), np.int32) if drafter.d2t is None else drafter.d2t

@@ -8,7 +8,7 @@ import typing
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
-ATTENTION_IMPLS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_triton")   # pallas_kernels.tree_attention
+ATTENTION_IMPLS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_triton", "positional")   # pallas_kernels.tree_attention
 DTYPES = ("float32", "bfloat16")
 
 

@@ -42,6 +42,9 @@ prefill = llama.prefill
 
 
 EXACT_ROWS = 32   # `generate(..., exact=True)`: every target forward after the prefill at this many rows
+# ... with the attention that reduces over each row's keys in position order, so that a token's attention
+# is the same in a tree verify as in ar's step (`pallas_kernels.tree_attention.tree_attention_positional`)
+EXACT_ATTENTION = "positional"
 
 
 def decode_forward(params, cfg: ModelConfig, tokens, cache: KVCache, rows: int = 1) -> llama.ForwardOutput:

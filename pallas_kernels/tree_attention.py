@@ -9,6 +9,9 @@ a chain ``parents = [-1, 0, ..., N-2]`` is causal prefill.
 Implementations:
 
 * ``tree_attention_reference``: plain jnp (XLA); the CPU path of the model.
+* ``tree_attention_positional``: jnp, each row's keys gathered into position
+  order, so a token's reductions do not depend on the tree's slot layout
+  (exact mode: `generate(..., exact=N)`).
 * ``tree_attention_pallas``: one online-softmax step function shared by two
   kernel variants. ``variant="tpu"`` is a Mosaic-style kernel with a grid over
   (batch, kv head, kv block), lengths as scalar prefetch (new values do not
@@ -44,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_triton")
+IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_triton", "positional")
 # The pinned variants: that kernel compiled (never interpreted) whatever the local backend, for
 # programs lowered for a TPU or a GPU from another machine (`hsd compile`); the platform is in the
 # impl's name so that JAX's trace caches (keyed on static arguments) never mix two platforms' programs.
@@ -127,6 +130,37 @@ def tree_attention_reference(q, k_cache, v_cache, lengths, parents, sm_scale=Non
     probs = jax.nn.softmax(jnp.where(visible, logits, MASK_VALUE), axis=-1)
     out = jnp.einsum("bhgns,bhsd->bhgnd", probs.astype(v_cache.dtype), v_cache,
                      preferred_element_type=jnp.float32)
+    return out.reshape(b, hq, n, dh).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def tree_attention_positional(q, k_cache, v_cache, lengths, parents, sm_scale=None):
+    """Tree attention with each row's keys in position order: row i's ancestors (slots lengths +
+    a_0 < ... < a_d, a_d = i) gathered to slots lengths + 0..d of a per-row copy of the cache, the
+    prefix in place. Every row then reduces over the same positions with the same values whatever
+    the tree's slot layout, as a 1-token decode step at the same row count does: what
+    `generate(..., exact=N)` needs for a token's attention to match between ar and a tree verify
+    (the reference's reductions group the path's keys by their slots). Costs a per-row copy of
+    K/V ([B, Hkv, N, S, Dh]) and computes in f32; semantics otherwise the reference's."""
+    b, hq, n, dh = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    lengths = lengths.astype(jnp.int32)
+    anc = ancestor_mask(parents)                                        # [B, N, N]: row i, ancestor j
+    rank = jnp.cumsum(anc.astype(jnp.int32), -1) - 1                    # j's place among i's ancestors
+    depth = jnp.sum(anc, -1, dtype=jnp.int32) - 1                       # [B, N]
+    nth = anc[:, :, None, :] & (rank[:, :, None, :] == jnp.arange(n, dtype=jnp.int32)[:, None])
+    idx = jnp.sum(jnp.where(nth, jnp.arange(n, dtype=jnp.int32), 0), -1)   # [B, N, k]: i's k-th ancestor
+    col = jnp.arange(s, dtype=jnp.int32)
+    rel = jnp.broadcast_to(col[None, None, :] - lengths[:, None, None], (b, n, s))
+    window = (rel >= 0) & (rel < n)
+    src = jnp.where(window, lengths[:, None, None] + jnp.take_along_axis(idx, jnp.clip(rel, 0, n - 1), -1), col)
+    visible = col[None, None, :] <= lengths[:, None, None] + depth[:, :, None]   # [B, N, S]
+    gather = jax.vmap(lambda c, i: c[:, i].astype(jnp.float32))          # [Hkv, S, Dh], [N, S] -> [Hkv, N, S, Dh]
+    k_rows, v_rows = gather(k_cache, src), gather(v_cache, src)
+    qg = q.reshape(b, hkv, hq // hkv, n, dh).astype(jnp.float32)   # f32 throughout (XLA:CPU has no bf16 batched dot)
+    logits = jnp.einsum("bhgnd,bhnsd->bhgns", qg, k_rows) * _default_scale(sm_scale, dh)
+    probs = jax.nn.softmax(jnp.where(visible[:, None, None], logits, MASK_VALUE), axis=-1)
+    out = jnp.einsum("bhgns,bhnsd->bhgnd", probs, v_rows)
     return out.reshape(b, hq, n, dh).astype(q.dtype)
 
 
@@ -390,12 +424,14 @@ def tree_attention(q, k_cache, v_cache, lengths, parents, *, sm_scale=None,
     int32 [B]; parents int32 [B, N] (parent index among the new tokens, -1 for
     a root, parents[b, i] < i). Returns [B, Hq, N, Dh] in q's dtype.
     impl: "reference" | "pallas" | "auto" (see ``resolve_attention_impl``) | "pallas_tpu" |
-    "pallas_triton" (``PINNED``). Under a
+    "pallas_triton" (``PINNED``) | "positional" (``tree_attention_positional``). Under a
     ``data``/``model`` mesh the Pallas kernel runs per shard (``_per_shard``).
     """
     impl = resolve_attention_impl(impl)
     if impl == "reference":
         return tree_attention_reference(q, k_cache, v_cache, lengths, parents, sm_scale=sm_scale)
+    if impl == "positional":
+        return tree_attention_positional(q, k_cache, v_cache, lengths, parents, sm_scale=sm_scale)
     variant = None
     if impl in PINNED:
         variant, interpret = PINNED[impl][0], False

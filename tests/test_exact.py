@@ -12,6 +12,7 @@ from hsd_jax import InputError, engine, generate, load_drafter
 from hsd_jax.api import exact_rows, programs
 from hsd_jax.config import SamplingConfig
 from hsd_jax.models import llama
+from pallas_kernels.tree_attention import tree_attention
 from tests.helpers import run_cli, tiny_target
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
@@ -33,6 +34,39 @@ def test_exact_keeps_ar_and_methods_of_other_widths_identical_in_f32(tiny):
         # the padding slots are neither accepted nor counted as verified rows
         assert all(r.stats["verified_slots"] == r.stats["rounds"] * engine.SpecConfig(method=kind, **opts).verify_slots
                    for r in res)
+
+
+def test_exact_keeps_bf16_methods_identical_to_bf16_ar_with_positional_attention():
+    """bf16 (no CPU kernels: XLA's dots and exact's positional attention) on a tiny target: under
+    exact, tree and chain methods give ar's tokens."""
+    tgt = tiny_target(vocab=64, dtype="bfloat16", seed=5)
+    ar = [r.token_ids for r in generate(tgt, PROMPTS, max_new_tokens=16, exact=12)]
+    for kind, opts in (("sd", dict(gamma=3)), ("hsd", dict(tree_nodes=6, tree_depth=3, tree_top_k=2))):
+        drafter = load_drafter(kind, target=tgt, random_init=True)
+        res = generate(tgt, PROMPTS, max_new_tokens=16, method=kind, drafter=drafter, exact=12, **opts)
+        assert [r.token_ids for r in res] == ar, kind
+
+
+def test_positional_attention_is_the_reference_and_does_not_depend_on_the_slot_layout():
+    """Same semantics as the reference; and a path's rows give bitwise the same output whether the
+    path sits at contiguous slots (a chain, as in ar's cache) or between decoy siblings (a tree)."""
+    rng = np.random.default_rng(0)
+    b, hq, hkv, n, s, dh = 1, 4, 2, 5, 32, 16
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    q, k, v = normal(b, hq, n, dh), normal(b, hkv, s, dh), normal(b, hkv, s, dh)
+    lengths = jnp.array([9])
+    for parents in ([[-1, 0, 0, 1, 2]], [[-1, 0, 1, 1, -1]], [[-1, -1, -1, -1, -1]]):
+        parents = jnp.array(parents)
+        np.testing.assert_allclose(tree_attention(q, k, v, lengths, parents, impl="positional"),
+                                   tree_attention(q, k, v, lengths, parents, impl="reference"), rtol=1e-5, atol=1e-5)
+    chain, tree = [0, 1, 2], [0, 2, 4]          # the path's slots in each layout; 1 and 3: decoys in the tree
+    q_chain, k_chain, v_chain = q, k, v
+    q_tree = q.at[:, :, jnp.array(tree)].set(q[:, :, jnp.array(chain)])
+    k_tree = k.at[:, :, 9 + jnp.array(tree)].set(k[:, :, 9 + jnp.array(chain)])
+    v_tree = v.at[:, :, 9 + jnp.array(tree)].set(v[:, :, 9 + jnp.array(chain)])
+    out_chain = tree_attention(q_chain, k_chain, v_chain, lengths, jnp.array([[-1, 0, 1, -1, -1]]), impl="positional")
+    out_tree = tree_attention(q_tree, k_tree, v_tree, lengths, jnp.array([[-1, 0, 0, 2, 2]]), impl="positional")
+    assert np.array_equal(np.asarray(out_chain[:, :, jnp.array(chain)]), np.asarray(out_tree[:, :, jnp.array(tree)]))
 
 
 def test_exact_programs_run_their_target_forwards_at_n_rows(tiny):

@@ -551,7 +551,8 @@ def _layer_diffs(target, prompt, cont, rows: int) -> dict:
     """Where a token's two computations part: `cont`'s tokens after `prompt`, (a) one per decode
     forward (1 row, or `rows` with exact), (b) all in one verify forward, their slots a chain or a
     tree (a decoy sibling before each, so the path's slots are not contiguous), padded to `rows`
-    with exact. Per layer, the largest |a - b| over the tokens' outputs; and whether the heads agree."""
+    with exact (and exact's attention, `engine.EXACT_ATTENTION`). Per layer, the largest |a - b|
+    over the tokens' outputs; and whether the heads agree."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -573,9 +574,10 @@ def _layer_diffs(target, prompt, cont, rows: int) -> dict:
                      capacity=capacity)
     out = {}
     for mode, width in (("plain", 0), ("exact", rows)):
+        mcfg = cfg.replace(attention_impl=engine.EXACT_ATTENTION) if width else cfg   # as `generate` runs it
         cache, a, a_tok = pre.cache, [], []
         for t in cont:
-            o = step(params, cfg, jnp.asarray([t], jnp.int32), cache, rows=max(width, 1))
+            o = step(params, mcfg, jnp.asarray([t], jnp.int32), cache, rows=max(width, 1))
             a.append(o.aux_features[:, 0, 0].astype(jnp.float32))
             a_tok.append(int(head(params, o.features)[0, 0]))
             cache = advance(o.cache, jnp.ones((1,), jnp.int32))
@@ -593,7 +595,7 @@ def _layer_diffs(target, prompt, cont, rows: int) -> dict:
                                      jnp.zeros((1, len(toks)), jnp.float32), max(k - 1, 1))
             if width > tr.num_slots:
                 tr = tree_lib.pad_tree(tr, width, tr.max_depth)
-            o = verify(params, cfg, pre.cache, tr)
+            o = verify(params, mcfg, pre.cache, tr)
             b = o.aux_features[:, 0, np.asarray(real)].astype(jnp.float32)
             b_tok = [int(t) for t in np.asarray(head(params, o.features))[0, real]]
             out[f"{mode}/{layout}"] = {"rows": [max(width, 1), tr.num_slots],
