@@ -501,8 +501,8 @@ def part_scale(args, deadline: float) -> dict:
     width = nodes + 1
     taus = _smollm2_tau(args)
     out = {"model": "speedup = tau x t_ar / t_round; t_round = t_verify(N) + t_draft + t_overhead, one round of "
-                    "the method's decode loop timed whole; t_overhead = a lookup round at the same N (no drafter: "
-                    "chain of `depth`, verified at N rows) - t_verify(N); t_draft = t_round - that lookup round",
+                    "the method's decode loop timed whole; t_overhead = a lookup round at the same N (no drafter: a "
+                    "chain of N - 1) - t_verify(N); t_draft = t_round - that lookup round",
            "tree": tree, "context": s.scale_context, "new_tokens": s.scale_new_tokens,
            "tau_smollm2": {k: {"tau": t, "source": src} for k, (t, src) in taus.items()}, "targets": {}}
     for name in s.scale_targets:
@@ -514,7 +514,8 @@ def part_scale(args, deadline: float) -> dict:
         params = llama.init_params(cfg, jax.random.key(0))     # one jitted program: created on the device
         jax.block_until_ready(params)
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-        slack = max(SpecConfig(method=k, **tree).cache_slack for k in s.scale_kinds)
+        slack = max([SpecConfig(method=k, **tree).cache_slack for k in s.scale_kinds]
+                    + [SpecConfig(method="lookup", gamma=width - 1).cache_slack])
         target = Target(params, cfg, None, round_up(s.scale_context + s.scale_new_tokens + slack + width, 128), name)
         prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, s.scale_context).tolist()
         row = out["targets"][name] = {"params": n_params, "init_s": round(time.time() - t0, 1)}
@@ -523,7 +524,7 @@ def part_scale(args, deadline: float) -> dict:
         sizes = sorted(set(s.scale_verify_n) | {width})
         row["verify_ms"] = tune_mod.verify_cost_curve(target, sizes=sizes, context=s.scale_context, repeats=s.scale_repeats)
         write_json(args.work / "scale.partial.json", out)
-        base, _ = _round_ms(target, prompt, s.scale_new_tokens, "lookup", gamma=depth, exact=width)
+        base, _ = _round_ms(target, prompt, s.scale_new_tokens, "lookup", gamma=width - 1)   # N rows, no drafter
         row["lookup_round_ms"] = base
         row["overhead_ms"] = base - row["verify_ms"][width]
         rounds = row["kinds"] = {}
