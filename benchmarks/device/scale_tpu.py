@@ -2,7 +2,7 @@
 so an ar step, N = 1) costs a bigger target on a TPU chip, from the TPU compiler's cost analysis, on a
 machine without a TPU (libtpu's deviceless topologies, as `hsd compile --tpu` builds them).
 
-    python benchmarks/scale_tpu.py [--tpu v5e:2x2] [--models llama-3.2-1b-shape,llama-3.1-8b-shape]
+    python benchmarks/device/scale_tpu.py [--tpu v5e:2x2] [--models llama-3.2-1b-shape,llama-3.1-8b-shape]
                                    [--sizes 1,2,4,8,16,32,64] [--context 512] [--json OUT]
 
 `compiled.cost_analysis()` counts a loop body once (BENCHMARKS.md), and the target's layers are a
@@ -25,7 +25,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 # Published peaks per chip (Cloud TPU system architecture pages): bf16 FLOP/s, HBM bytes/s.
 CHIP_PEAKS = {"TPU v5 lite": (197e12, 819e9), "TPU v6 lite": (918e12, 1640e9), "TPU v4": (275e12, 1228e9)}
