@@ -9,7 +9,7 @@ import sys
 from hsd_jax import methods
 from hsd_jax.bench import METHOD_NAMES
 from hsd_jax.config import SamplingConfig
-from hsd_jax.engine import REUSE_POLICIES, SpecConfig
+from hsd_jax.engine import BACKEND_DEFAULTS, REUSE_POLICIES, SpecConfig
 
 
 class UsageError(ValueError):
@@ -47,14 +47,22 @@ def _add_generate(sub):
 
 
 def _add_tree_args(p):
+    def default(field: str) -> str:
+        """e.g. 'cpu 3, gpu/tpu 8': the platform's row of engine.BACKEND_DEFAULTS, else SpecConfig's."""
+        by = {}
+        for platform, row in BACKEND_DEFAULTS.items():
+            by.setdefault(row.get(field, getattr(SpecConfig, field)), []).append(platform)
+        return ", ".join(f"{'/'.join(ps)} {v}" for v, ps in by.items())
+
     p.add_argument("--tree-nodes", type=int, default=None,
-                   help=f"draft nodes per round, root excluded (default {SpecConfig.tree_nodes})")
-    p.add_argument("--tree-depth", type=int, default=None, help=f"default {SpecConfig.tree_depth}")
+                   help=f"draft nodes per round, root excluded (default by platform: {default('tree_nodes')})")
+    p.add_argument("--tree-depth", type=int, default=None, help=f"default by platform: {default('tree_depth')}")
     p.add_argument("--top-k", type=int, default=None,
-                   help=f"tree branching: children per expanded node (default {SpecConfig.tree_top_k})")
+                   help=f"tree branching: children per expanded node (default by platform: {default('tree_top_k')})")
     p.add_argument("--gamma", type=int, default=None, help=f"sd: draft chain length (default {SpecConfig.gamma})")
     p.add_argument("--lookup-slots", type=int, default=None, metavar="M",
-                   help="tree methods: add M prompt-lookup nodes to each round's tree (default 0)")
+                   help="tree methods: add M prompt-lookup nodes to each round's tree "
+                        f"(default by platform: {default('lookup_slots')}; 0 = none)")
     p.add_argument("--lookup-min-match", type=int, default=None, metavar="N",
                    help="with --lookup-slots: add the lookup nodes only in rounds whose lookup match is at least "
                         f"N tokens long, 0 = every round (default {SpecConfig.lookup_min_match})")
