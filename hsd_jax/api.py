@@ -508,7 +508,7 @@ def _method_spec(target: Target, method: str, drafter, tuned: bool, options: dic
         from hsd_jax import tuning
 
         options = dict(tuning.tuned_options(method, target, drafter), **options)
-    spec = engine.SpecConfig(method=method, **options)
+    spec = engine.SpecConfig(method=method, **engine.spec_defaults(method, jax.default_backend(), options), **options)
     m.check(drafter, spec)
     return spec, drafter
 

@@ -9,7 +9,7 @@ import sys
 from hsd_jax import methods
 from hsd_jax.bench import METHOD_NAMES
 from hsd_jax.config import SamplingConfig
-from hsd_jax.engine import EXACT_ROWS, REUSE_POLICIES, SpecConfig
+from hsd_jax.engine import BACKEND_DEFAULTS, EXACT_ROWS, REUSE_POLICIES, SpecConfig
 
 
 class UsageError(ValueError):
@@ -48,14 +48,22 @@ def _add_generate(sub):
 
 
 def _add_tree_args(p):
+    def default(field: str) -> str:
+        """e.g. 'cpu 3, gpu/tpu 8': the platform's row of engine.BACKEND_DEFAULTS, else SpecConfig's."""
+        by = {}
+        for platform, row in BACKEND_DEFAULTS.items():
+            by.setdefault(row.get(field, getattr(SpecConfig, field)), []).append(platform)
+        return ", ".join(f"{'/'.join(ps)} {v}" for v, ps in by.items())
+
     p.add_argument("--tree-nodes", type=int, default=None,
-                   help=f"draft nodes per round, root excluded (default {SpecConfig.tree_nodes})")
-    p.add_argument("--tree-depth", type=int, default=None, help=f"default {SpecConfig.tree_depth}")
+                   help=f"draft nodes per round, root excluded (default by platform: {default('tree_nodes')})")
+    p.add_argument("--tree-depth", type=int, default=None, help=f"default by platform: {default('tree_depth')}")
     p.add_argument("--top-k", type=int, default=None,
-                   help=f"tree branching: children per expanded node (default {SpecConfig.tree_top_k})")
+                   help=f"tree branching: children per expanded node (default by platform: {default('tree_top_k')})")
     p.add_argument("--gamma", type=int, default=None, help=f"sd: draft chain length (default {SpecConfig.gamma})")
     p.add_argument("--lookup-slots", type=int, default=None, metavar="M",
-                   help="tree methods: add M prompt-lookup nodes to each round's tree (default 0)")
+                   help="tree methods: add M prompt-lookup nodes to each round's tree "
+                        f"(default by platform: {default('lookup_slots')}; 0 = none)")
     p.add_argument("--lookup-min-match", type=int, default=None, metavar="N",
                    help="with --lookup-slots: add the lookup nodes only in rounds whose lookup match is at least "
                         f"N tokens long, 0 = every round (default {SpecConfig.lookup_min_match})")
@@ -81,10 +89,18 @@ def _spec_options(a, method: str) -> dict:
              "lookup_slots": a.lookup_slots, "lookup_min_match": a.lookup_min_match, "min_draft_prob": a.min_draft_prob,
              "reuse": getattr(a, "reuse", None)}
     opts = {k: v for k, v in given.items() if v is not None}
-    spec = SpecConfig(method=method, **opts) if method != "ar" else None
+    if method != "ar":
+        SpecConfig(method=method, **opts)
     if getattr(a, "exact", False) is not False:
-        from hsd_jax.api import exact_rows
+        import jax
 
+        from hsd_jax.api import exact_rows
+        from hsd_jax.engine import spec_defaults
+
+        # the tree `generate` will run (this platform's preset where no tree flag is given); a tuned
+        # tree is known only once the model loads, and `generate` checks the width again then
+        spec = None if method == "ar" or a.tuned else SpecConfig(
+            method=method, **spec_defaults(method, jax.default_backend(), opts), **opts)
         exact_rows(a.exact, spec)
         opts["exact"] = a.exact
     if a.tuned:

@@ -169,9 +169,9 @@ def _batch_spec(x, mesh):
 
 
 def generate_programs(target: api.Target, method_names: Sequence[str], mesh, *, batch: int, prompt_len: int,
-                      sampling: SamplingConfig = SamplingConfig()) -> list[Program]:
+                      sampling: SamplingConfig = SamplingConfig(), platform: str = "tpu") -> list[Program]:
     """The two programs `api.generate` compiles per method (`api.programs`: the same jitted functions
-    and static arguments, with the method's default `SpecConfig` and the drafter `generate` would
+    and static arguments, with the `SpecConfig` `platform`'s defaults give the method and the drafter `generate` would
     use): the prefill of `prompt_len`'s prompt bucket, over abstract prompts [batch, bucket], and the
     decode loop, over the abstract `engine.Prefilled` that prefill returns (`jax.eval_shape`)."""
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -182,7 +182,7 @@ def generate_programs(target: api.Target, method_names: Sequence[str], mesh, *, 
     for name in method_names:
         spec, drafter = None, None
         if name != "ar":
-            spec = engine.SpecConfig(method=name)
+            spec = engine.SpecConfig(method=name, **engine.spec_defaults(name, platform))
             drafter = abstract_drafter(name, target)
             methods.get(name).check(drafter, spec)
             if isinstance(drafter.config, ModelConfig):   # a draft LM (sd)
@@ -360,7 +360,7 @@ def compile_all(*, tpu: str | None = None, cuda: bool = False, model: str = "smo
             hbm = info.hbm_capacity_bytes * info.num_cores
     target = abstract_target(cfg, name, max_cache_len)
     sampling = SamplingConfig(float(temperature))
-    programs = generate_programs(target, list(method_names), dev_mesh, batch=batch, prompt_len=prompt_len,
+    programs = generate_programs(target, list(method_names), dev_mesh, batch=batch, prompt_len=prompt_len, platform=platform,
                                  sampling=sampling)
     programs += train_programs(target, train, dev_mesh, **(train_options or {}))
     if platform == "cuda":   # lowered for one GPU: no device shardings in the arguments

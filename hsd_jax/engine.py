@@ -248,6 +248,31 @@ class SpecConfig:
         return max(self.verify_slots + self.verify_depth + 1, methods.REGISTRY[self.method].scratch(self))
 
 
+# The preset a request gets when it sets none of its fields, by the platform it runs on (`spec_defaults`);
+# explicit options win, then `tuned=True`'s file, then this table, then `SpecConfig`'s own fields.
+# cpu: `hsd tune` on 2 Zen 4 cores with the CPU kernels (BENCHMARKS.md, "hsd tune on this CPU"):
+#   3/2/2 with 4 prompt-lookup nodes 1.31x ar, the 8/4/3 tree 0.95x (verify rows cost there);
+# gpu: SpecConfig's 8/4/3 (the H200 pack: verify 2.0 ms at 1 row, 2.7 ms at 64); tpu: the same, unmeasured.
+BACKEND_DEFAULTS = {
+    "cpu": {"tree_nodes": 3, "tree_depth": 2, "tree_top_k": 2, "lookup_slots": 4},
+    "gpu": {},
+    "tpu": {},
+}
+
+
+def spec_defaults(method: str, platform: str, given=()) -> dict:
+    """The options `platform`'s row of `BACKEND_DEFAULTS` adds to the `given` ones for `method`. A
+    row is one preset (a tree with its lookup nodes): a request that sets any of its fields takes
+    none of it (its other fields keep SpecConfig's), and a chain method (sd, lookup) none of it."""
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    if platform not in BACKEND_DEFAULTS:
+        raise ConfigError(f"no speculative defaults for platform {platform!r}; known: {tuple(BACKEND_DEFAULTS)}")
+    row = BACKEND_DEFAULTS[platform]
+    if methods.REGISTRY[method].drafts != "tree" or set(given) & set(row):
+        return {}
+    return dict(row)
+
+
 class SpecStats(NamedTuple):
     rounds: jax.Array            # [B] verify forwards
     accepted_hist: jax.Array     # [B, D+1] rounds by number of accepted draft tokens

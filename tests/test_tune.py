@@ -4,8 +4,9 @@ import json
 import pytest
 
 from hsd_jax import generate, load_drafter, tune, tuning
-from hsd_jax.config import InputError
-from hsd_jax.engine import SpecConfig
+from hsd_jax.config import ConfigError, InputError
+from hsd_jax.engine import BACKEND_DEFAULTS, SpecConfig, spec_defaults
+from hsd_jax.methods import REGISTRY
 from tests.helpers import tiny_target
 
 
@@ -54,9 +55,9 @@ def test_tune_writes_the_fastest_tree_and_generate_uses_it_when_asked(tuned_dir)
     assert stats["reuse"] == report["reuse"] and stats["lookup_slots"] == m and stats["lookup_min_match"] == least
     assert (stats["tree_nodes"], stats["tree_depth"], stats["tree_top_k"]) == tuple(report["tree"].values())
     plain = generate(target, [[5, 6, 7]], max_new_tokens=6, method="hsd", drafter=drafter)[0].stats
-    d = SpecConfig()
-    assert (plain["tree_nodes"], plain["tree_depth"], plain["tree_top_k"], plain["reuse"]) == (
-        d.tree_nodes, d.tree_depth, d.tree_top_k, d.reuse)
+    d = SpecConfig(**spec_defaults("hsd", "cpu"))   # untuned: the platform's row of BACKEND_DEFAULTS
+    assert (plain["tree_nodes"], plain["tree_depth"], plain["tree_top_k"], plain["reuse"], plain["lookup_slots"]) == (
+        d.tree_nodes, d.tree_depth, d.tree_top_k, d.reuse, d.lookup_slots)
     # another drafter (a different config) does not inherit this one's tree
     other = load_drafter("hsd", target=target, random_init=True, draft_vocab_size=32)
     with pytest.raises(InputError, match="hsd tune --method hsd"):
@@ -107,3 +108,26 @@ def test_the_timed_verify_is_the_engines_greedy_verdict():
         tokens, certified = out if screen is not None else (out, np.ones(n, bool))
         assert np.asarray(certified).all()
         np.testing.assert_array_equal(np.ravel(tokens), np.ravel(np.argmax(f32(params, *args, None), -1)))
+
+
+def test_backend_defaults_fill_only_what_a_request_leaves_out():
+    assert spec_defaults("hsd", "cpu") == BACKEND_DEFAULTS["cpu"] and spec_defaults("eagle", "gpu") == {}
+    assert spec_defaults("hsd", "cuda") == spec_defaults("hsd", "tpu") == {}   # accelerators: SpecConfig's 8/4/3
+    assert spec_defaults("sd", "cpu") == spec_defaults("lookup", "cpu") == {}   # chain methods take no tree
+    # a row is one preset: a request that sets any of its fields takes none of it
+    assert spec_defaults("hsd", "cpu", {"tree_depth": 4}) == spec_defaults("ngram", "cpu", {"lookup_slots": 0}) == {}
+    assert spec_defaults("hsd", "cpu", {"reuse": "chain"}) == BACKEND_DEFAULTS["cpu"]
+    with pytest.raises(ConfigError, match="platform 'metal'"):
+        spec_defaults("hsd", "metal")
+    for platform in BACKEND_DEFAULTS:   # every row builds a valid spec for every method
+        for method in REGISTRY:
+            SpecConfig(method=method, **spec_defaults(method, platform))
+
+    from tests.helpers import bigram_target
+
+    target = bigram_target()
+    drafter = load_drafter("hsd", target=target, random_init=True)
+    stats = generate(target, [[5, 6, 7]], max_new_tokens=4, method="hsd", drafter=drafter, tree_depth=3,
+                     tree_nodes=5)[0].stats
+    assert (stats["tree_nodes"], stats["tree_depth"], stats["tree_top_k"], stats["lookup_slots"]) == (
+        5, 3, SpecConfig.tree_top_k, SpecConfig.lookup_slots)   # explicit options win, the rest is SpecConfig's
