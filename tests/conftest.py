@@ -44,7 +44,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 LONG_MODULES = ("test_device_pack.py", "test_sharding.py", "test_speculative.py", "test_training.py",
                 "test_compile.py", "test_qwen3.py", "test_multihost.py", "test_notebooks.py",
                 "test_shipped_drafters.py", "test_eagle3.py", "test_model_parity.py", "test_tree.py",
-                "test_speculative_smollm2.py", "test_generate.py", "test_cpu_kernels.py", "test_bench.py", "test_tune.py",
+                "test_speculative_smollm2.py", "test_generate.py", "test_cpu_kernels.py", "test_bench.py", "test_exact.py", "test_tune.py",
                 "test_corruption.py", "test_serving_head.py", "test_lookup.py", "test_tree_attention.py",
                 "test_tokenizer.py")
 
