@@ -1,6 +1,8 @@
 """The stable public API: `load_target` and `generate`."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import time
@@ -298,58 +300,68 @@ def shipped_drafter(kind: str, target: Target) -> str | None:
     return path if os.path.isfile(os.path.join(path, "drafter.json")) else None
 
 
-class _AbandonedOrbaxReads:
-    """A logging filter for asyncio's "Task exception was never retrieved" about Orbax's reads."""
-
-    def filter(self, record) -> bool:
-        msg = str(record.msg)
-        return not ("never retrieved" in msg and "orbax" in msg)
+_DRAIN_SECONDS = 60.0   # how long a closing restore loop waits for reads still in flight
 
 
-def _quiet_abandoned_orbax_reads() -> None:
-    """When one read of a damaged checkpoint fails, Orbax drops its other reads, whose coroutines and
-    tasks report their own failures whenever the garbage collector finds them, possibly after the
-    one-line error was raised or at exit: not the user's news. Installed once, for Orbax's alone."""
-    import inspect
-    import logging
-    import sys
+class _DrainingLoop(asyncio.SelectorEventLoop):
+    """An event loop that finishes the tasks it still holds before it closes.
 
-    asyncio_log = logging.getLogger("asyncio")
-    if any(isinstance(f, _AbandonedOrbaxReads) for f in asyncio_log.filters):
-        return
-    asyncio_log.addFilter(_AbandonedOrbaxReads())
-    hook = sys.unraisablehook
+    Orbax runs each restore in a fresh loop and closes it when its `gather` of reads returns. When one
+    read of a damaged checkpoint fails, `gather` raises at once while TensorStore's other reads are in
+    flight: their completions then call back into the closed loop from TensorStore's threads (an
+    "Event loop is closed" traceback on stderr, after or before the one-line error) and their tasks'
+    failures are reported whenever the garbage collector finds them. Draining here leaves nothing in
+    flight; the first failure is the one reported, the others are retrieved (not news)."""
 
-    def quiet(u):
-        code = getattr(u.object, "cr_code", None)
-        if not (inspect.iscoroutine(u.object) and code is not None and "orbax" in code.co_filename):
-            hook(u)
-    sys.unraisablehook = quiet
+    def close(self) -> None:
+        pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+        if pending and not self.is_running() and not self.is_closed():
+            self.run_until_complete(asyncio.wait(pending, timeout=_DRAIN_SECONDS))
+            for t in pending:
+                if t.done() and not t.cancelled():
+                    t.exception()
+        super().close()
+
+
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _DrainingLoop()
 
 
 def _restore_params(path: str):
     """An Orbax params checkpoint, restored onto this process's first device whatever topology saved it.
-    Restored eagerly, so a damaged file (TensorStore's read errors included) is a ModelLoadError here."""
-    import gc
+    Restored eagerly, so a damaged file (TensorStore's read errors included) is a ModelLoadError here.
+    The restore's event loops are `_DrainingLoop`s (Orbax makes them with `asyncio.new_event_loop`),
+    in a thread of its own when this one runs a loop (a notebook: Orbax would use uvloop there)."""
     import logging
 
     from hsd_jax.loading.errors import one_line
 
     if not os.path.isdir(path):
         raise ModelLoadError(f"drafter weights not found: {path}")
-    _quiet_abandoned_orbax_reads()
     absl = logging.getLogger("absl")   # Orbax logs what it fails to parse: the error below says it once
-    level = absl.level
+    level, policy = absl.level, asyncio.get_event_loop_policy()
     absl.setLevel(logging.CRITICAL)
+    asyncio.set_event_loop_policy(_DrainingPolicy())
     try:
         try:
-            return _restore_checkpoint(path)
+            return _outside_running_loop(lambda: _restore_checkpoint(path))
         except Exception as e:   # Orbax and TensorStore raise bare Exceptions on damaged files
             failure = one_line(e)
-        gc.collect()
     finally:
+        asyncio.set_event_loop_policy(policy)
         absl.setLevel(level)
     raise ModelLoadError(f"{path}: damaged Orbax checkpoint: {failure}")
+
+
+def _outside_running_loop(fn):
+    """fn(), in a worker thread if this thread is running an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return fn()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
 
 
 def _restore_checkpoint(path: str):
