@@ -596,10 +596,6 @@ def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int 
     the decode loop, which then serves every prompt length and `max_new_tokens`. Programs land in
     this process's table and in the persistent compilation cache (`hsd_jax.compilation`), so a
     later process loads them instead of compiling. Returns {"programs": n, "compile_seconds": s}."""
-    from tqdm import tqdm
-
-    from hsd_jax import distributed
-
     if batch_size < 1:
         raise InputError(f"batch_size must be >= 1, got {batch_size}")
     if prompt_bucket < 1:
@@ -607,6 +603,14 @@ def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int 
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
     spec, drafter = _method_spec(target, method, drafter, tuned, options)
     progs = programs(target, spec, drafter, sampling, mesh)
+    return _compile_ahead(progs, target, drafter, batch_size, mesh, prompt_bucket, max_prompt_len, progress, method)
+
+
+def _compile_ahead(progs: Programs, target: Target, drafter, batch_size: int, mesh, prompt_bucket: int,
+                   max_prompt_len: int | None, progress: bool, method: str) -> dict:
+    """`warmup`'s work once the request's programs are known (also `generate(..., warmup=True)`)."""
+    from tqdm import tqdm
+
     buckets = prompt_buckets(progs.capacity, prompt_bucket, max_prompt_len)
     bar = tqdm(total=len(buckets) + 1, desc=f"warmup {method}", unit="program",
                disable=not (progress and distributed.is_primary()))
@@ -632,7 +636,7 @@ def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int 
 def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False, method: str = "ar",
              drafter=None, mesh=None, prompt_bucket: int = PROMPT_BUCKET, tuned: bool = False,
-             **options) -> list[GenerationResult]:
+             warmup: bool = False, **options) -> list[GenerationResult]:
     """Generate a continuation per prompt; one result per prompt.
 
     Two compiled programs run (`programs`): a prefill per prompt bucket, then one decode loop
@@ -649,6 +653,10 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
 
     prompt_bucket: the smallest prompt bucket: prompts are right-padded to prompt_bucket x 2^k
     tokens (at most the cache capacity), each padded length one prefill program.
+
+    warmup: first compile what later calls with this method, drafter, sampling and number of
+    prompts run, whatever their prompt lengths (`hsd_jax.warmup`: every prefill bucket and the decode
+    loop, with a progress bar); its compile time is counted in the results' `compile_seconds`.
     """
     check_request(prompts, max_new_tokens, prompt_bucket)
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
@@ -661,8 +669,13 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
                          + (f" + draft tree {slack}" if slack else "")
                          + f" exceeds the cache capacity max_cache_len={target.max_cache_len}")
     progs = programs(target, spec, drafter, sampling, mesh)
+    ahead = 0.0
+    if warmup:
+        ahead = _compile_ahead(progs, target, drafter, len(ids), mesh, prompt_bucket, None, True,
+                               method)["compile_seconds"]
     tokens, lengths = pad_prompts(ids, prompt_bucket, progs.capacity)
     out, secs = _run(progs, tokens, lengths, jax.random.key(seed), max_new_tokens, mesh, target, drafter)
+    secs["compile"] += ahead
     elapsed = secs["prefill"] + secs["decode"]
     results = []
     for i in range(len(ids)):

@@ -76,6 +76,20 @@ def test_warmup_compiles_every_bucket_and_the_loop_ahead_of_generate():
     assert "spec_decode" not in names and "spec_prefill" not in names
 
 
+def test_generate_with_warmup_compiles_ahead_so_a_new_prompt_length_compiles_nothing():
+    t = tiny_target(vocab=64, hidden=32, max_cache_len=64)
+    api._COMPILED.clear()
+    with compiles() as names:
+        first = generate(t, [[3, 4, 5], [6, 7]], max_new_tokens=5, warmup=True)
+    assert names.count("ar_decode") == 1 and names.count("ar_prefill") == len(api.prompt_buckets(64)) == 3
+    assert first[0].stats["compile_seconds"] > 0
+    with compiles() as names:
+        later = [generate(t, [[1 + i % 60 for i in range(n)]] * 2, max_new_tokens=m) for n, m in ((20, 9), (40, 3))]
+    assert names == [] and all(r.stats["compile_seconds"] == 0 for res in later for r in res)
+    again = generate(t, [[3, 4, 5], [6, 7]], max_new_tokens=5)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]   # warmup changes no output
+
+
 def _run_tiny(model: str, env: dict) -> dict:
     script = f"""
 import json, jax
