@@ -28,6 +28,7 @@ class Target:
     max_cache_len: int
     name: str
     _packed: Any = dataclasses.field(default=None, repr=False, compare=False)   # (params, their cpu_kernels packed copies)
+    _source: Any = dataclasses.field(default=None, repr=False, compare=False)   # (GGUF path, the params read from it)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
@@ -92,7 +93,8 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
     tok = load_tokenizer(path) if tokenizer else None
     if tok is not None and tok.eos_token_id is not None and tok.eos_token_id not in cfg.eos_token_ids:
         cfg = cfg.replace(eos_token_ids=cfg.eos_token_ids + (int(tok.eos_token_id),))
-    return Target(params, cfg, tok, int(max_cache_len), model)
+    source = (path, params) if loader is load_gguf and mesh is None else None   # weights_cache keys derived arrays by it
+    return Target(params, cfg, tok, int(max_cache_len), model, _source=source)
 
 
 PROMPT_BUCKET = 16  # the smallest prompt bucket: prompts are right-padded to PROMPT_BUCKET x 2^k tokens
@@ -206,11 +208,33 @@ def serving_params(target: Target) -> dict:
     if target.config.dtype != "float32" or not cpu_kernels.enabled():
         return target.params
     if target._packed is None or target._packed[0] is not target.params:
-        packed = cpu_kernels.pack_layers(target.params["layers"])
-        if target.config.tie_word_embeddings:
-            packed["head_screen"] = jnp.asarray(cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"]))
-        target._packed = (target.params, packed)
+        target._packed = (target.params, _packed_target(target))
     return dict(target.params, packed_kernels=target._packed[1])
+
+
+def _packed_target(target: Target) -> dict:
+    """The target's packed layers and tied head's screen: read from the weights cache when its params
+    are still those loaded from a GGUF file and an earlier load packed them (packing SmolLM2 takes
+    ~1 s, mapping it back a fraction), else packed here and stored there for the next process. The
+    cache variant names the params' dtype and a hash of the packing code (cpu_kernels/__init__.py),
+    so packed copies of another layout are never read back."""
+    import hashlib
+
+    from hsd_jax.loading import weights_cache
+
+    source = target._source[0] if target._source is not None and target._source[1] is target.params else None
+    if source is not None:
+        with open(cpu_kernels.__file__, "rb") as f:
+            variant = f"packed-{target.config.dtype}-{hashlib.sha256(f.read()).hexdigest()[:16]}"
+        cached = weights_cache.load_derived(source, variant)
+        if cached is not None:
+            return cached
+    packed = cpu_kernels.pack_layers(target.params["layers"])
+    if target.config.tie_word_embeddings:
+        packed["head_screen"] = jnp.asarray(cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"]))
+    if source is not None:
+        weights_cache.store_derived(source, variant, packed)
+    return packed
 
 
 def serving_drafter_params(drafter: Drafter, target: Target):
