@@ -217,7 +217,9 @@ def _packed_target(target: Target) -> dict:
     are still those loaded from a GGUF file and an earlier load packed them (packing SmolLM2 takes
     ~1 s, mapping it back a fraction), else packed here and stored there for the next process. The
     cache variant names the params' dtype and a hash of the packing code (cpu_kernels/__init__.py),
-    so packed copies of another layout are never read back."""
+    so packed copies of another layout are never read back. Fresh or mapped, the copies are committed
+    to the CPU device (DLPack's arrays are), so both paths lower to the same programs and a process
+    that maps them reuses the persistent compilation cache of the one that packed them."""
     import hashlib
 
     from hsd_jax.loading import weights_cache
@@ -234,7 +236,8 @@ def _packed_target(target: Target) -> dict:
         packed["head_screen"] = jnp.asarray(cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"]))
     if source is not None:
         weights_cache.store_derived(source, variant, packed)
-    return packed
+    cpu = jax.devices("cpu")[0]
+    return {k: jax.device_put(v, cpu) for k, v in packed.items()}
 
 
 def serving_drafter_params(drafter: Drafter, target: Target):
