@@ -1,6 +1,8 @@
 """The stable public API: `load_target` and `generate`."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import time
@@ -26,6 +28,7 @@ class Target:
     max_cache_len: int
     name: str
     _packed: Any = dataclasses.field(default=None, repr=False, compare=False)   # (params, their cpu_kernels packed copies)
+    _source: Any = dataclasses.field(default=None, repr=False, compare=False)   # (GGUF path, the params read from it)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
@@ -90,7 +93,8 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
     tok = load_tokenizer(path) if tokenizer else None
     if tok is not None and tok.eos_token_id is not None and tok.eos_token_id not in cfg.eos_token_ids:
         cfg = cfg.replace(eos_token_ids=cfg.eos_token_ids + (int(tok.eos_token_id),))
-    return Target(params, cfg, tok, int(max_cache_len), model)
+    source = (path, params) if loader is load_gguf and mesh is None else None   # weights_cache keys derived arrays by it
+    return Target(params, cfg, tok, int(max_cache_len), model, _source=source)
 
 
 PROMPT_BUCKET = 16  # the smallest prompt bucket: prompts are right-padded to PROMPT_BUCKET x 2^k tokens
@@ -204,11 +208,36 @@ def serving_params(target: Target) -> dict:
     if target.config.dtype != "float32" or not cpu_kernels.enabled():
         return target.params
     if target._packed is None or target._packed[0] is not target.params:
-        packed = cpu_kernels.pack_layers(target.params["layers"])
-        if target.config.tie_word_embeddings:
-            packed["head_screen"] = jnp.asarray(cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"]))
-        target._packed = (target.params, packed)
+        target._packed = (target.params, _packed_target(target))
     return dict(target.params, packed_kernels=target._packed[1])
+
+
+def _packed_target(target: Target) -> dict:
+    """The target's packed layers and tied head's screen: read from the weights cache when its params
+    are still those loaded from a GGUF file and an earlier load packed them (packing SmolLM2 takes
+    ~1 s, mapping it back a fraction), else packed here and stored there for the next process. The
+    cache variant names the params' dtype and a hash of the packing code (cpu_kernels/__init__.py),
+    so packed copies of another layout are never read back. Fresh or mapped, the copies are committed
+    to the CPU device (DLPack's arrays are), so both paths lower to the same programs and a process
+    that maps them reuses the persistent compilation cache of the one that packed them."""
+    import hashlib
+
+    from hsd_jax.loading import weights_cache
+
+    source = target._source[0] if target._source is not None and target._source[1] is target.params else None
+    if source is not None:
+        with open(cpu_kernels.__file__, "rb") as f:
+            variant = f"packed-{target.config.dtype}-{hashlib.sha256(f.read()).hexdigest()[:16]}"
+        cached = weights_cache.load_derived(source, variant)
+        if cached is not None:
+            return cached
+    packed = cpu_kernels.pack_layers(target.params["layers"])
+    if target.config.tie_word_embeddings:
+        packed["head_screen"] = jnp.asarray(cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"]))
+    if source is not None:
+        weights_cache.store_derived(source, variant, packed)
+    cpu = jax.devices("cpu")[0]
+    return {k: jax.device_put(v, cpu) for k, v in packed.items()}
 
 
 def serving_drafter_params(drafter: Drafter, target: Target):
@@ -298,58 +327,68 @@ def shipped_drafter(kind: str, target: Target) -> str | None:
     return path if os.path.isfile(os.path.join(path, "drafter.json")) else None
 
 
-class _AbandonedOrbaxReads:
-    """A logging filter for asyncio's "Task exception was never retrieved" about Orbax's reads."""
-
-    def filter(self, record) -> bool:
-        msg = str(record.msg)
-        return not ("never retrieved" in msg and "orbax" in msg)
+_DRAIN_SECONDS = 60.0   # how long a closing restore loop waits for reads still in flight
 
 
-def _quiet_abandoned_orbax_reads() -> None:
-    """When one read of a damaged checkpoint fails, Orbax drops its other reads, whose coroutines and
-    tasks report their own failures whenever the garbage collector finds them, possibly after the
-    one-line error was raised or at exit: not the user's news. Installed once, for Orbax's alone."""
-    import inspect
-    import logging
-    import sys
+class _DrainingLoop(asyncio.SelectorEventLoop):
+    """An event loop that finishes the tasks it still holds before it closes.
 
-    asyncio_log = logging.getLogger("asyncio")
-    if any(isinstance(f, _AbandonedOrbaxReads) for f in asyncio_log.filters):
-        return
-    asyncio_log.addFilter(_AbandonedOrbaxReads())
-    hook = sys.unraisablehook
+    Orbax runs each restore in a fresh loop and closes it when its `gather` of reads returns. When one
+    read of a damaged checkpoint fails, `gather` raises at once while TensorStore's other reads are in
+    flight: their completions then call back into the closed loop from TensorStore's threads (an
+    "Event loop is closed" traceback on stderr, after or before the one-line error) and their tasks'
+    failures are reported whenever the garbage collector finds them. Draining here leaves nothing in
+    flight; the first failure is the one reported, the others are retrieved (not news)."""
 
-    def quiet(u):
-        code = getattr(u.object, "cr_code", None)
-        if not (inspect.iscoroutine(u.object) and code is not None and "orbax" in code.co_filename):
-            hook(u)
-    sys.unraisablehook = quiet
+    def close(self) -> None:
+        pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+        if pending and not self.is_running() and not self.is_closed():
+            self.run_until_complete(asyncio.wait(pending, timeout=_DRAIN_SECONDS))
+            for t in pending:
+                if t.done() and not t.cancelled():
+                    t.exception()
+        super().close()
+
+
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _DrainingLoop()
 
 
 def _restore_params(path: str):
     """An Orbax params checkpoint, restored onto this process's first device whatever topology saved it.
-    Restored eagerly, so a damaged file (TensorStore's read errors included) is a ModelLoadError here."""
-    import gc
+    Restored eagerly, so a damaged file (TensorStore's read errors included) is a ModelLoadError here.
+    The restore's event loops are `_DrainingLoop`s (Orbax makes them with `asyncio.new_event_loop`),
+    in a thread of its own when this one runs a loop (a notebook: Orbax would use uvloop there)."""
     import logging
 
     from hsd_jax.loading.errors import one_line
 
     if not os.path.isdir(path):
         raise ModelLoadError(f"drafter weights not found: {path}")
-    _quiet_abandoned_orbax_reads()
     absl = logging.getLogger("absl")   # Orbax logs what it fails to parse: the error below says it once
-    level = absl.level
+    level, policy = absl.level, asyncio.get_event_loop_policy()
     absl.setLevel(logging.CRITICAL)
+    asyncio.set_event_loop_policy(_DrainingPolicy())
     try:
         try:
-            return _restore_checkpoint(path)
+            return _outside_running_loop(lambda: _restore_checkpoint(path))
         except Exception as e:   # Orbax and TensorStore raise bare Exceptions on damaged files
             failure = one_line(e)
-        gc.collect()
     finally:
+        asyncio.set_event_loop_policy(policy)
         absl.setLevel(level)
     raise ModelLoadError(f"{path}: damaged Orbax checkpoint: {failure}")
+
+
+def _outside_running_loop(fn):
+    """fn(), in a worker thread if this thread is running an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return fn()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
 
 
 def _restore_checkpoint(path: str):
@@ -608,10 +647,6 @@ def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int 
     the decode loop, which then serves every prompt length and `max_new_tokens`. Programs land in
     this process's table and in the persistent compilation cache (`hsd_jax.compilation`), so a
     later process loads them instead of compiling. Returns {"programs": n, "compile_seconds": s}."""
-    from tqdm import tqdm
-
-    from hsd_jax import distributed
-
     if batch_size < 1:
         raise InputError(f"batch_size must be >= 1, got {batch_size}")
     if prompt_bucket < 1:
@@ -619,6 +654,14 @@ def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int 
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
     spec, drafter = _method_spec(target, method, drafter, tuned, options)
     progs = programs(target, spec, drafter, sampling, mesh, exact_rows(exact, spec))
+    return _compile_ahead(progs, target, drafter, batch_size, mesh, prompt_bucket, max_prompt_len, progress, method)
+
+
+def _compile_ahead(progs: Programs, target: Target, drafter, batch_size: int, mesh, prompt_bucket: int,
+                   max_prompt_len: int | None, progress: bool, method: str) -> dict:
+    """`warmup`'s work once the request's programs are known (also `generate(..., warmup=True)`)."""
+    from tqdm import tqdm
+
     buckets = prompt_buckets(progs.capacity, prompt_bucket, max_prompt_len)
     bar = tqdm(total=len(buckets) + 1, desc=f"warmup {method}", unit="program",
                disable=not (progress and distributed.is_primary()))
@@ -644,7 +687,7 @@ def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int 
 def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False, method: str = "ar",
              drafter=None, mesh=None, prompt_bucket: int = PROMPT_BUCKET, tuned: bool = False,
-             exact: bool | int = False, **options) -> list[GenerationResult]:
+             exact: bool | int = False, warmup: bool = False, **options) -> list[GenerationResult]:
     """Generate a continuation per prompt; one result per prompt.
 
     Two compiled programs run (`programs`): a prefill per prompt bucket, then one decode loop
@@ -667,6 +710,10 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
     unreachable slots, so a token's arithmetic (matmul shapes, attention row packing) is the same
     in ar's step and in any method's verify: what bf16 greedy identity between them needs on an
     accelerator (BENCHMARKS.md). Costs the wider forwards; a method's tree must fit in N.
+
+    warmup: first compile what later calls with this method, drafter, sampling and number of
+    prompts run, whatever their prompt lengths (`hsd_jax.warmup`: every prefill bucket and the decode
+    loop, with a progress bar); its compile time is counted in the results' `compile_seconds`.
     """
     check_request(prompts, max_new_tokens, prompt_bucket)
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
@@ -682,8 +729,13 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
                          + (f" + draft tree {slack}" if slack else "")
                          + f" exceeds the cache capacity max_cache_len={target.max_cache_len}")
     progs = programs(target, spec, drafter, sampling, mesh, rows)
+    ahead = 0.0
+    if warmup:
+        ahead = _compile_ahead(progs, target, drafter, len(ids), mesh, prompt_bucket, None, True,
+                               method)["compile_seconds"]
     tokens, lengths = pad_prompts(ids, prompt_bucket, progs.capacity)
     out, secs = _run(progs, tokens, lengths, jax.random.key(seed), max_new_tokens, mesh, target, drafter)
+    secs["compile"] += ahead
     elapsed = secs["prefill"] + secs["decode"]
     results = []
     for i in range(len(ids)):

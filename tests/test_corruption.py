@@ -36,10 +36,10 @@ from hsd_jax.train.trainer import SequenceData
 from tests.helpers import jax_logits, run_cli, save_hf_dir
 
 TYPED = (ModelLoadError, InputError, ConfigError, DataError)
-# coroutines a failed Orbax restore leaves pending are finalized whenever its event loop goes,
-# often in a later test; `hsd` keeps them off stderr (test_orbax_damage_is_one_stderr_line_...)
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <coroutine object _read_array_index:pytest.PytestUnraisableExceptionWarning")
+# a failed Orbax restore must leave nothing to finalize later (api._DrainingLoop): any coroutine or
+# task failure reported after it would be a warning, and is an error here
+pytestmark = [pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning"),
+              pytest.mark.filterwarnings("error:coroutine .* was never awaited:RuntimeWarning")]
 COUNTS: dict[str, Counter] = {}
 CASE_SECONDS = 120   # a hang, not a slow compile on a loaded machine
 

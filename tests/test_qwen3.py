@@ -26,21 +26,22 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}")
 
 
-def write_qwen3(path, tied: bool, seed: int = 0, shard: bool = False, vocab: int | None = None):
+def write_qwen3(path, tied: bool, seed: int = 0, shard: bool = False, vocab: int | None = None, **dims):
     """A random Qwen3ForCausalLM saved by transformers. Without `vocab`: SmolLM2's byte-level BPE
     vocabulary in the directory as Qwen3 publishes it (tokenizer.json, the chat template and EOS in
     tokenizer_config.json, the end-of-turn ids in generation_config.json); with one, no tokenizer (a
-    small vocabulary for engine tests on token ids). Returns the PyTorch model."""
+    small vocabulary for engine tests on token ids). `dims` overrides Qwen3Config sizes. Returns the
+    PyTorch model."""
     from hsd_jax.loading.gguf_loader import default_gguf_path
     from hsd_jax.loading.tokenizer import gguf_tokenizer
 
     tok = None if vocab else gguf_tokenizer(default_gguf_path())
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(
+    cfg = transformers.Qwen3Config(**dict(dict(
         vocab_size=vocab or len(tok), hidden_size=HIDDEN, intermediate_size=192, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=DH, max_position_embeddings=2048,
         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=0,
-        eos_token_id=None if vocab else tok.convert_tokens_to_ids("<|endoftext|>"))
+        eos_token_id=None if vocab else tok.convert_tokens_to_ids("<|endoftext|>")), **dims))
     model = transformers.Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():   # norms (q_norm, k_norm included) away from 1
@@ -260,10 +261,11 @@ def small_data(small, tmp_path_factory):
     return data
 
 
-@pytest.mark.parametrize("kind", ["hsd", "eagle3"])
+@pytest.mark.parametrize("kind", ["hsd", "eagle", "eagle3"])
 def test_hsd_train_runs_on_a_qwen3_target(small, small_data, tmp_path, kind):
     """`hsd train` a few steps on the tiny Qwen3 (its features, Dh 48 and q/k norms in the target
-    pass); the drafter it writes serves ar's tokens. eagle trains on the same target pass as hsd."""
+    pass); the eagle and eagle3 drafters it writes serve ar's tokens (hsd's random ones do in
+    test_every_method_...)."""
     path, _, tgt = small
     data = small_data
     out = tmp_path / "run"
@@ -275,24 +277,28 @@ def test_hsd_train_runs_on_a_qwen3_target(small, small_data, tmp_path, kind):
     r = run_cli("train", "--config", str(tmp_path / "train.yaml"))
     assert r.returncode == 0, r.stderr[-2000:]
     dr = load_drafter(kind, str(out / "drafter"), target=tgt)
-    if kind != "eagle3":
-        return   # hsd drafters serve on this target in test_every_method_...
+    if kind == "hsd":
+        return
     prompt = [[5, 9, 33, 2, 17, 40]]
     res = generate(tgt, prompt, max_new_tokens=16, method=kind, drafter=dr, **TREE)
     assert res[0].token_ids == generate(tgt, prompt, max_new_tokens=16)[0].token_ids
 
 
-def test_sampling_on_a_qwen3_shaped_target_preserves_the_distribution():
-    """test_speculative's T=1 check on a vocabulary-8 target with Qwen3's layer: q/k norms (random
-    scales) and head_dim 16 with hidden 16 and 2 heads."""
-    import jax
+@pytest.fixture(scope="module")
+def vocab8(tmp_path_factory):
+    """A transformers-written untied Qwen3 with an 8-token vocabulary (exact sampling marginals by
+    enumeration) and smaller still (3000 rows per sampling check): hidden 32, 2 heads of head_dim 24
+    (not 32 / 2), 1 KV head, q/k norms, 2 layers."""
+    path = str(tmp_path_factory.mktemp("qwen3_vocab8"))
+    write_qwen3(path, tied=False, seed=4, vocab=8, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=24, intermediate_size=64, num_hidden_layers=2)
+    return load_target(path, tokenizer=False, max_cache_len=64)
 
-    from tests.helpers import tiny_target
+
+@pytest.mark.parametrize("method", ["sd", "eagle", "eagle3", "hsd", "ngram", "lookup"])
+def test_every_method_samples_the_target_distribution_at_t1(vocab8, method):
+    """test_speculative's T=1 check (chi-square of 3 sampled positions against the exact marginals)
+    on a Qwen3 checkpoint, for every speculative method with a random drafter."""
     from tests.test_speculative import check_sampling_distribution
 
-    tgt = tiny_target(vocab=8, hidden=16, heads=2, kv_heads=1, seed=4, max_cache_len=64, head_dim=16, qk_norm=True)
-    layers = dict(tgt.params["layers"])
-    for i, k in enumerate(("q_norm", "k_norm")):
-        layers[k] = {"scale": 1.0 + 0.5 * jax.random.normal(jax.random.key(i), layers[k]["scale"].shape)}
-    tgt.params = dict(tgt.params, layers=layers)
-    check_sampling_distribution(tgt, "hsd", {})
+    check_sampling_distribution(vocab8, method, {})

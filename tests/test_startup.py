@@ -76,6 +76,20 @@ def test_warmup_compiles_every_bucket_and_the_loop_ahead_of_generate():
     assert "spec_decode" not in names and "spec_prefill" not in names
 
 
+def test_generate_with_warmup_compiles_ahead_so_a_new_prompt_length_compiles_nothing():
+    t = tiny_target(vocab=64, hidden=32, max_cache_len=64)
+    api._COMPILED.clear()
+    with compiles() as names:
+        first = generate(t, [[3, 4, 5], [6, 7]], max_new_tokens=5, warmup=True)
+    assert names.count("ar_decode") == 1 and names.count("ar_prefill") == len(api.prompt_buckets(64)) == 3
+    assert first[0].stats["compile_seconds"] > 0
+    with compiles() as names:
+        later = [generate(t, [[1 + i % 60 for i in range(n)]] * 2, max_new_tokens=m) for n, m in ((20, 9), (40, 3))]
+    assert names == [] and all(r.stats["compile_seconds"] == 0 for res in later for r in res)
+    again = generate(t, [[3, 4, 5], [6, 7]], max_new_tokens=5)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]   # warmup changes no output
+
+
 def _run_tiny(model: str, env: dict) -> dict:
     script = f"""
 import json, jax
@@ -101,7 +115,7 @@ def test_a_second_process_loads_the_first_ones_programs_and_weights(tmp_path):
     first = _run_tiny(model, env)
     assert first["dir"] == os.path.join(str(tmp_path / "user-cache"), "xla") and first["hits"] == 0
     assert len(os.listdir(first["dir"])) >= 2            # prefill and decode programs, at least
-    assert len(os.listdir(tmp_path / "user-cache" / "weights")) == 1
+    assert len([f for f in os.listdir(tmp_path / "user-cache" / "weights") if "-packed-" not in f]) == 1
     second = _run_tiny(model, env)
     assert second["hits"] >= 2 and second["ids"] == first["ids"]
 
@@ -162,3 +176,56 @@ def test_hsd_warmup_then_generate_compiles_nothing_and_verbose_says_where_time_w
     assert "compile 0.00 s" in gen.stderr and "prefill" in gen.stderr and "decode" in gen.stderr
     bad = run_cli("warmup", "--model", model, "--batch-size", "0")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --batch-size")
+
+
+def test_the_packed_kernel_weights_are_cached_verified_and_rebuilt(tmp_path, monkeypatch):
+    """A GGUF target's CPU-kernel packed layers and head screen (bf16) are read back from the weights
+    cache by the next load instead of packed again; a corrupt copy is rebuilt, packing code other
+    than the one that wrote them is never read back, and params replaced after the load are packed
+    from themselves."""
+    from hsd_jax import cpu_kernels
+
+    if not cpu_kernels.enabled():   # built (or found) before the user cache below moves
+        pytest.skip("the CPU kernels are not available")
+    monkeypatch.setenv("HSD_JAX_CACHE", str(tmp_path / "cache"))
+    model = tiny_smollm2_gguf(tmp_path / "model.gguf", hidden=32, heads=4, kv_heads=2)
+    packs = []
+    pack_layers = cpu_kernels.pack_layers
+    monkeypatch.setattr(cpu_kernels, "pack_layers", lambda layers: packs.append(1) or pack_layers(layers))
+
+    def packed():
+        return api.serving_params(api.load_target(model, tokenizer=False))["packed_kernels"]
+
+    want = packed()
+    assert len(packs) == 1 and {"q_proj", "mlp/down_proj", "head_screen"} <= set(want)
+    assert want["head_screen"].dtype == jax.numpy.bfloat16
+    files = [f for f in os.listdir(tmp_path / "cache" / "weights") if "-packed-float32-" in f]
+    assert len(files) == 1
+    cached = str(tmp_path / "cache" / "weights" / files[0])
+
+    def same(got):
+        return got.keys() == want.keys() and all(
+            got[k].dtype == want[k].dtype and np.array_equal(np.asarray(got[k]), np.asarray(want[k])) for k in want)
+
+    assert same(packed()) and len(packs) == 1                       # read back, not packed
+    size = os.path.getsize(cached)
+    for damage in ("flip", "truncate"):
+        with open(cached, "r+b") as f:
+            if damage == "flip":
+                f.seek(size - 100)
+                f.write(b"\x55" * 8)
+            else:
+                f.truncate(size // 2)
+        with pytest.warns(UserWarning, match="stale or corrupt"):
+            assert same(packed())
+        assert os.path.getsize(cached) == size                       # rebuilt
+    assert len(packs) == 3
+    code = tmp_path / "cpu_kernels_init.py"                          # the packing code changed
+    code.write_bytes(open(cpu_kernels.__file__, "rb").read() + b"\n# another packing layout\n")
+    monkeypatch.setattr(cpu_kernels, "__file__", str(code))
+    assert same(packed()) and len(packs) == 4
+    assert len([f for f in os.listdir(tmp_path / "cache" / "weights") if "-packed-" in f]) == 2
+    t = api.load_target(model, tokenizer=False)                    # params replaced after the load
+    t.params = jax.tree.map(lambda a: a * 2, t.params)
+    doubled = api.serving_params(t)["packed_kernels"]
+    assert len(packs) == 5 and np.allclose(np.asarray(doubled["q_proj"]), 2 * np.asarray(want["q_proj"]))

@@ -7,13 +7,16 @@ Its name is a fingerprint of the source (size, modification time and the SHA-256
 blocks: a fast hash that changes when the file is replaced or edited), and its header records
 that fingerprint and a checksum of every tensor's bytes (a wrapping 64-bit sum: the whole file in
 tens of milliseconds). A file whose header, fingerprint, names, shapes or checksum disagree is
-stale or corrupt: it is deleted and rebuilt from the source. `HSD_JAX_WEIGHTS_CACHE=0` turns the
-cache off. Read with `safetensors` (no pickle); written to a temporary file then renamed, so a
-concurrent reader never sees half a file.
+stale or corrupt: it is deleted and rebuilt from the source. Arrays derived from those weights
+(the CPU kernels' packed copies: `api.serving_params`) are kept beside them under the same rules,
+in files named by the same fingerprint and a variant naming what else they depend on.
+`HSD_JAX_WEIGHTS_CACHE=0` turns the cache off. Read with `safetensors` (no pickle); written to a
+temporary file then renamed, so a concurrent reader never sees half a file.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 import warnings
@@ -24,6 +27,9 @@ ENV = "HSD_JAX_WEIGHTS_CACHE"
 FORMAT = "1"            # bump when the cached layout changes
 SAMPLE_BYTES = 1 << 20  # per sampled block of the source file
 SAMPLES = 8
+SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+                      "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
+                      "U8": np.uint8, "BOOL": np.bool_}
 
 
 def disabled() -> bool:
@@ -41,11 +47,13 @@ def fingerprint(path: str) -> str:
     return h.hexdigest()[:32]
 
 
-def cache_file(path: str) -> str:
+def cache_file(path: str, variant: str = "") -> str:
+    """The cache file of `path`'s float32 params, or (a `variant`) of other arrays derived from them."""
     from hsd_jax.tuning import cache_dir
 
     name = os.path.basename(path).replace(".", "_")
-    return os.path.join(os.path.dirname(cache_dir()), "weights", f"{name}-{fingerprint(path)}.safetensors")
+    return os.path.join(os.path.dirname(cache_dir()), "weights",
+                        f"{name}-{fingerprint(path)}{'-' + variant if variant else ''}.safetensors")
 
 
 def checksum(arrays: dict) -> str:
@@ -84,30 +92,99 @@ def unflatten(flat: dict) -> dict:
 def load(path: str, expected: dict) -> dict | None:
     """The cached param tree of `path` if a valid one exists (names and shapes as `expected`:
     flat name -> shape), else None (a stale or corrupt file is removed)."""
+    flat = _read(path, "", lambda flat: (
+        {k: tuple(v.shape) for k, v in flat.items()} == {k: tuple(s) for k, s in expected.items()}
+        and all(v.dtype == np.float32 for v in flat.values())))
+    return None if flat is None else unflatten(flat)
+
+
+def store(path: str, params: dict) -> None:
+    """Write the float32 param tree of `path` to the cache (best effort: a full disk only warns)."""
+    _write(path, "", {k: np.ascontiguousarray(v, np.float32) for k, v in flatten(params).items()})
+
+
+def load_derived(path: str, variant: str) -> dict | None:
+    """Flat arrays derived from `path`'s weights and stored by `store_derived` under `variant` (a name
+    that changes with whatever else they depend on: e.g. the CPU kernels' packed copies, keyed by the
+    params' dtype and the packing code), if a valid file exists, as JAX arrays on the CPU that share
+    the file's mapped pages (DLPack: no copy); else None."""
+    flat = _read(path, variant, lambda flat: True, mapped=True)
+    return None if flat is None else {k: _shared(v) for k, v in flat.items()}
+
+
+def _shared(a: np.ndarray):
+    """A CPU JAX array over `a`'s memory (a copy where DLPack cannot share it)."""
+    import jax
+    import jax.numpy as jnp
+
+    cpu = jax.devices("cpu")[0]
+    try:
+        if a.dtype.kind in "fiub":
+            return jnp.from_dlpack(a, device=cpu)
+        bits = jnp.from_dlpack(a.view(f"u{a.dtype.itemsize}"), device=cpu)
+        return jax.lax.bitcast_convert_type(bits, a.dtype)
+    except (BufferError, TypeError, ValueError):
+        return jax.device_put(a, cpu)
+
+
+def _mapped(target: str) -> tuple[dict, dict]:
+    """(header metadata, name -> array) of a safetensors file mapped copy-on-write: its pages come
+    from the page cache as they are read, never copied (safetensors checks the header first: JSON,
+    offsets, the file covered exactly). The cache never rewrites a file in place (`_write` renames
+    a new one over it), so a mapping stays whole while the cache is rebuilt."""
+    from safetensors import safe_open
+
+    with safe_open(target, "np") as f:
+        meta = f.metadata() or {}
+    mm = np.memmap(target, mode="c")
+    n = int(mm[:8].view("<u8")[0])
+    flat = {}
+    for name, info in json.loads(bytes(mm[8:8 + n])).items():
+        if name != "__metadata__":
+            start, end = info["data_offsets"]
+            flat[name] = mm[8 + n + start:8 + n + end].view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return meta, flat
+
+
+def store_derived(path: str, variant: str, arrays: dict) -> None:
+    """Write flat arrays of any dtype (bfloat16 included) derived from `path`'s weights."""
+    _write(path, variant, {k: np.ascontiguousarray(v) for k, v in arrays.items()})
+
+
+def _read(path: str, variant: str, fits, mapped: bool = False) -> dict | None:
+    """The verified flat arrays of a cache file (source fingerprint, variant, checksum, `fits(flat)`),
+    their dtypes restored, read into memory or (`mapped`) memory-mapped; None if there is none; a
+    stale or corrupt one is removed, with a warning."""
     if disabled():
         return None
     from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
 
     try:
-        target = cache_file(path)
+        source = fingerprint(path)
+        target = cache_file(path, variant)
     except OSError:
         return None
     if not os.path.isfile(target):
         return None
     try:
-        with safe_open(target, "np") as f:
-            meta = f.metadata() or {}
-        flat = load_file(target)
-        ok = (meta.get("source") == os.path.basename(target).rsplit("-", 1)[-1].removesuffix(".safetensors")
-              and {k: tuple(v.shape) for k, v in flat.items()} == {k: tuple(s) for k, s in expected.items()}
-              and all(v.dtype == np.float32 for v in flat.values())
-              and meta.get("checksum") == checksum(flat))
-    except (SafetensorError, OSError, ValueError, KeyError):
+        if mapped:
+            meta, flat = _mapped(target)
+        else:
+            with safe_open(target, "np") as f:
+                meta = f.metadata() or {}
+            flat = load_file(target)
+        dtypes = json.loads(meta.get("dtypes", "{}"))
+        ok = (meta.get("source") == source and meta.get("variant", "") == variant
+              and meta.get("checksum") == checksum(flat) and isinstance(dtypes, dict))
+        if ok:
+            flat = {k: v.view(_dtype(dtypes[k])) if k in dtypes else v for k, v in flat.items()}
+            ok = fits(flat)
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError):
         ok = False
     if ok:
-        return unflatten(flat)
-    warnings.warn(f"rebuilding the weights cache {target}: it was stale or corrupt", stacklevel=2)
+        return flat
+    warnings.warn(f"rebuilding the weights cache {target}: it was stale or corrupt", stacklevel=3)
     try:
         os.remove(target)
     except OSError:
@@ -115,18 +192,26 @@ def load(path: str, expected: dict) -> dict | None:
     return None
 
 
-def store(path: str, params: dict) -> None:
-    """Write the float32 param tree of `path` to the cache (best effort: a full disk only warns)."""
+def _dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+def _write(path: str, variant: str, flat: dict) -> None:
+    """Write flat arrays (those of dtypes safetensors' numpy API lacks, e.g. bfloat16, as unsigned
+    integers of their width, their dtype in the header) to a temporary file, then rename it."""
     if disabled():
         return
     from safetensors.numpy import save_file
 
-    flat = {k: np.ascontiguousarray(v, np.float32) for k, v in flatten(params).items()}
+    dtypes = {k: v.dtype.name for k, v in flat.items() if v.dtype.kind not in "fiub"}
+    flat = {k: v.view(f"u{v.dtype.itemsize}") if k in dtypes else v for k, v in flat.items()}
     try:
-        target = cache_file(path)
+        target = cache_file(path, variant)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        meta = {"source": os.path.basename(target).rsplit("-", 1)[-1].removesuffix(".safetensors"),
-                "checksum": checksum(flat), "format": FORMAT}
+        meta = {"source": fingerprint(path), "variant": variant, "checksum": checksum(flat), "format": FORMAT,
+                "dtypes": json.dumps(dtypes)}
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
         os.close(fd)
         try:
@@ -136,4 +221,4 @@ def store(path: str, params: dict) -> None:
             if os.path.exists(tmp):
                 os.remove(tmp)
     except OSError as e:
-        warnings.warn(f"could not write the weights cache: {e}", stacklevel=2)
+        warnings.warn(f"could not write the weights cache: {e}", stacklevel=3)
