@@ -13,6 +13,7 @@ import numpy as np
 from hsd_jax import compilation, cpu_kernels, distributed, sharding
 from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig, from_json
 from hsd_jax.loading.errors import ModelLoadError, read_npy
+from hsd_jax.models import llama
 from hsd_jax.models.drafter import Drafter
 
 
@@ -198,14 +199,17 @@ def compile_options(params) -> dict:
 
 
 def serving_params(target: Target) -> dict:
-    """The target's params for decoding: with the packed layer weights (and the LM head's bf16
-    screen) of `hsd_jax.cpu_kernels` (built once per Target) when the kernels are enabled and the
-    model is f32, else as loaded."""
-    if target.config.dtype != "float32" or not cpu_kernels.enabled():
+    """The target's params for decoding: with the packed layer weights of `hsd_jax.cpu_kernels`
+    (built once per Target) when the kernels are enabled, else as loaded. An f32 model adds its
+    tied LM head's bf16 screen (`head_screen`), a bf16 model its whole LM head in bf16 (`head`)."""
+    if target.config.dtype not in ("float32", "bfloat16") or not cpu_kernels.enabled():
         return target.params
     if target._packed is None or target._packed[0] is not target.params:
         packed = cpu_kernels.pack_layers(target.params["layers"])
-        if target.config.tie_word_embeddings:
+        if target.config.dtype == "bfloat16":
+            packed["head"] = jnp.asarray(cpu_kernels.pack_head(llama.lm_head_weight(target.params, target.config),
+                                                               jnp.bfloat16))
+        elif target.config.tie_word_embeddings:
             packed["head_screen"] = jnp.asarray(cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"]))
         target._packed = (target.params, packed)
     return dict(target.params, packed_kernels=target._packed[1])

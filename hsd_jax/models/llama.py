@@ -225,6 +225,12 @@ def serving_logits(params: dict, cfg: ModelConfig, features: jax.Array) -> jax.A
     """`logits_from_features` in the form fastest for decoding and verification. Training keeps
     `logits_from_features`: backpropagating through the streamed form is neither measured nor tested."""
     lead = features.shape[:-1]
+    head = params.get("packed_kernels", {}).get("head")
+    if head is not None and math.prod(lead) <= cpu_kernels.MAX_ROWS:
+        # a bf16 model's head on the CPU kernel (`api.serving_params`): its bf16 weights widened
+        # exactly, f32 sums, as XLA's bf16 dot with f32 output computes them (up to summation order)
+        rows = final_norm(params, cfg, features).reshape(-1, features.shape[-1])
+        return cpu_kernels.stacked_matmul(rows, head, 0)[:, :cfg.vocab_size].reshape(*lead, cfg.vocab_size)
     if not streams_head_rows(cfg, math.prod(lead)):
         return logits_from_features(params, cfg, features)
     e = params["embed_tokens"]["embedding"]
