@@ -118,11 +118,19 @@ def enabled() -> bool:
             and _registered())
 
 
+# bf16 tiles store columns 0, 16, 1, 17, ..., 15, 31: the kernel widens each 32-bit pair with a shift and a mask
+BF16_ORDER = np.stack([np.arange(COLS // 2), np.arange(COLS // 2) + COLS // 2], 1).reshape(-1)
+
+
 def pack(w, dtype=np.float32) -> np.ndarray:
-    """[L, d, f] -> [L, f / 32, d, 32] in `dtype`, each column tile contiguous."""
+    """[L, d, f] -> [L, f / 32, d, 32] in `dtype`, each column tile contiguous (bf16: its columns in
+    BF16_ORDER)."""
     w = np.asarray(w, np.float32)
     L, d, f = w.shape
-    return np.ascontiguousarray(w.reshape(L, d, f // COLS, COLS).transpose(0, 2, 1, 3).astype(dtype))
+    tiles = w.reshape(L, d, f // COLS, COLS).transpose(0, 2, 1, 3)
+    if np.dtype(dtype) == jnp.bfloat16:
+        tiles = tiles[..., BF16_ORDER]
+    return np.ascontiguousarray(tiles.astype(dtype))
 
 
 def pack_head(weight, dtype) -> np.ndarray:

@@ -336,10 +336,20 @@ def prefill(params: dict, cfg: ModelConfig, tokens: jax.Array, prompt_lens: jax.
     return logits, out._replace(cache=out.cache.replace(lengths=prompt_lens.astype(jnp.int32)))
 
 
+def cache_dtype(params: dict, cfg: ModelConfig):
+    """The KV cache's dtype for serving `params`: the model's, except f32 for a bf16 model on the CPU
+    kernels (`packed_kernels`). XLA:CPU has no bf16 scatter: each layer's cache write widened the whole
+    [L, ...] bf16 stack to f32 and back (a bf16 decode step 105 ms against f32's 22 ms, SmolLM2, 512
+    cached tokens), and as uint16 bits it still copies the stack. The K/V are bf16 values either way
+    (the projections round to bf16), so an f32 cache holds them exactly: same outputs, twice the
+    cache's bytes (~1 ms a step at 1536 cached tokens)."""
+    return jnp.float32 if "packed_kernels" in params else jnp_dtype(cfg)
+
+
 def prefill_new_cache(params: dict, cfg: ModelConfig, tokens: jax.Array, prompt_lens: jax.Array, capacity: int):
     """`prefill` into a new cache of `capacity` slots: the prompts [B, T] attend over T slots (the
     rest of an empty cache is never visible), so a prefill costs the same at any capacity."""
     b, t = tokens.shape
-    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, t, cfg.head_dim, jnp_dtype(cfg))
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, t, cfg.head_dim, cache_dtype(params, cfg))
     logits, out = prefill(params, cfg, tokens, prompt_lens, cache)
     return logits, out._replace(cache=widen(out.cache, capacity))
