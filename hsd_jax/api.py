@@ -183,6 +183,10 @@ SMALL_PROGRAM_PARAMS = 1 << 20
 FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                         "xla_cpu_use_fusion_emitters": False}
 VOCAB_TABLES = ("embed_tokens", "lm_head")
+# A bf16 model on the CPU: XLA may otherwise keep a fusion's intermediates in f32 instead of rounding
+# them to bf16 (excess precision), differently in each program (ar's loop, a method's rounds), so
+# methods would stop matching ar; with every bf16 value rounded they compute the same bf16 model.
+BF16_EXACT_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 def compile_options(params) -> dict:
@@ -194,8 +198,12 @@ def compile_options(params) -> dict:
     if jax.default_backend() != "cpu":
         return {}
     body = {k: v for k, v in params.items() if k not in VOCAB_TABLES} if isinstance(params, dict) else params
-    size = sum(int(np.prod(getattr(x, "shape", ()))) for x in jax.tree.leaves(body))
-    return dict(FAST_COMPILE_OPTIONS) if size < SMALL_PROGRAM_PARAMS else {}
+    leaves = jax.tree.leaves(body)
+    size = sum(int(np.prod(getattr(x, "shape", ()))) for x in leaves)
+    options = dict(FAST_COMPILE_OPTIONS) if size < SMALL_PROGRAM_PARAMS else {}
+    if any(getattr(x, "dtype", None) == jnp.bfloat16 for x in leaves):
+        options.update(BF16_EXACT_OPTIONS)
+    return options
 
 
 def serving_params(target: Target) -> dict:
