@@ -209,7 +209,7 @@ def test_a_bf16_target_runs_the_kernels_and_every_method_gives_bf16_ar():
     got, want = logits(params), logits(t.params)      # the kernels, XLA's bf16 dots
     scale = float(jnp.abs(want).max())
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05 * scale)
-    prompts = [rng.integers(0, 96, size=n).tolist() for n in (3, 11)]
+    prompts = [rng.integers(0, 96, size=n).tolist() for n in (3, 11, 70)]    # 70: a prefill past MAX_ROWS
     d = load_drafter("hsd", target=t, random_init=True, seed=1)
     api._COMPILED.clear()
     ar = [r.token_ids for r in generate(t, prompts, max_new_tokens=16)]

@@ -6,17 +6,18 @@ Inside the layer `lax.scan`, XLA:CPU copies each layer's weight matrices out of 
 (BENCHMARKS.md, "Why the CPU kernels"). `stacked_matmul.cc` is an XLA FFI handler that reads a layer's
 weights in place from a pre-packed copy ([L, f / 32, d, 32]: every 32-column tile contiguous,
 streamed in order), each weight once for all rows. The engine uses it for every Dense of the
-target's layers when `enabled()`: on the CPU, no mesh, a forward of at most MAX_ROWS rows;
-prefill and training keep XLA's dots.
+target's layers when `enabled()`: on the CPU, no mesh, a forward of at most MAX_ROWS rows (f32;
+bf16: any, below); f32 prefill and training keep XLA's dots.
 
-A bf16 target (`load_target(..., dtype="bfloat16")`) runs the same kernels on its bf16 weights and
-bf16 KV cache, packed as they are (half the bytes of f32): each bf16 weight or cache entry is
-widened to f32 exactly in registers, activations (bf16 values) go in as f32 exactly, products and
+A bf16 target (`load_target(..., dtype="bfloat16")`) runs the same kernels on its bf16 weights,
+packed as they are (half the bytes of f32; the attention kernel reads a bf16 cache too): each bf16
+value is widened to f32 exactly in registers, activations (bf16 values) go in as f32 exactly, products and
 sums are f32, and each Dense's output is rounded to bf16 as XLA's bf16 dot rounds it. So the
-outputs are the bf16 model's (XLA's bf16 path up to f32 summation order), not the f32 model's; the
-rows of a verify are computed exactly as a decode step's row, so every method's greedy output
-equals bf16 `ar`'s. Its LM head runs the kernel too (`packed_kernels["head"]`,
-`llama.serving_logits`): XLA:CPU's bf16 dots at decode sizes are slow on the CPU.
+outputs are the bf16 model's (XLA's bf16 path up to f32 summation order), not the f32 model's. A
+row is computed alike at any row count, so every forward of a bf16 model runs here, prefill too
+(any rows), its programs compile without excess precision (`api.BF16_EXACT_OPTIONS`), and every
+method's greedy output equals bf16 `ar`'s. Its LM head runs the kernel too (`packed_kernels["head"]`,
+`llama.serving_logits`); its KV cache is f32 (`llama.cache_dtype`: exact for bf16 K/V).
 
 `tree_attention.cc` likewise reads a layer's K/V from the stacked cache in place, and only the
 slots a query sees (the committed prefix and its ancestors among the new tokens), where XLA

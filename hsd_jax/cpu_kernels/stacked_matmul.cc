@@ -17,9 +17,9 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));
 constexpr int64_t kCols = 32, kRows = 8;
 #ifndef HSD_AHEAD
-#define HSD_AHEAD 16
+#define HSD_AHEAD 128
 #endif
-constexpr int64_t kAhead = HSD_AHEAD;   // software prefetch distance in tile rows (bf16 tiles: 64 bytes a row)
+constexpr int64_t kAhead = HSD_AHEAD;   // software prefetch distance in tile rows (bf16 tiles: 64 bytes a row, 8 KB ahead)
 
 // 32 consecutive weights as two f32 vectors (columns 0-15 and 16-31 of the tile): f32 as stored; bf16 widened
 // exactly, stored with the two halves interleaved (columns 0, 16, 1, 17, ...: `cpu_kernels.pack`) so that each
@@ -42,9 +42,10 @@ template <int R, typename T>
 static void Tile(const float* X, const T* W, int64_t ws, float* Y, int64_t d, int64_t f, int64_t r0, int64_t j) {
   v16 acc[R][2] = {};
   for (int64_t k = 0; k < d; ++k) {
-    // bf16: prefetch kAhead rows of the tile ahead (past its end: the next tile's, contiguous when packed);
-    // measured 1.1-1.3x faster at 4-8 rows, where widening makes the tile compute-bound. f32: no gain, none.
-    if (sizeof(T) == 2 && kAhead > 0) __builtin_prefetch(W + (k + kAhead) * ws, 0, 0);
+    // bf16 at 2+ rows: prefetch kAhead rows of the tile ahead (past its end: the next tile's, contiguous when
+    // packed); at 4-8 rows 1.4-1.8x faster (benchmarks/verify_cost.py --dtype bfloat16), where the widening
+    // makes the tile compute-bound and the hardware prefetcher falls behind. One row and f32: no gain, none.
+    if (sizeof(T) == 2 && R > 1 && kAhead > 0) __builtin_prefetch(W + (k + kAhead) * ws, 0, 0);
     v16 w0, w1;
     LoadW(W + k * ws, w0, w1);
 #pragma GCC unroll 8
