@@ -227,20 +227,20 @@ def serving_drafter_params(drafter: Drafter, target: Target):
     """A feature drafter's (hsd, eagle) params for decoding beside `serving_params(target)`: with
     its layers' packed weights and its draft-vocab head packed (`packed_kernels["draft_head"]`,
     read through `TargetView.packed_head`), built once per drafter and target, when the target is
-    served with the CPU kernels and the drafter is f32; sd's draft LM with its layers packed;
-    else as loaded."""
+    served with the CPU kernels (f32 or bf16, each drafter packed in its own dtype); sd's draft LM
+    with its layers packed; else as loaded."""
     from hsd_jax.models.drafter import DrafterConfig, pack_draft_head
 
     params = drafter.params
-    if (isinstance(drafter.config, ModelConfig) and drafter.config.dtype == "float32"
-            and target.config.dtype == "float32" and cpu_kernels.enabled()):
+    served = target.config.dtype in ("float32", "bfloat16") and cpu_kernels.enabled()   # as `serving_params`
+    if isinstance(drafter.config, ModelConfig) and drafter.config.dtype == target.config.dtype and served:
         # sd's draft LM: its layers through the kernels as the target's, so its attention reads the
         # committed slots only (XLA's scores every slot of the cache capacity)
         if drafter._packed is None or drafter._packed[0] is not params:
             drafter._packed = (params, None, cpu_kernels.pack_layers(params["layers"]))
         return dict(params, packed_kernels=drafter._packed[2])
-    if (not isinstance(drafter.config, DrafterConfig) or target.config.dtype != "float32"
-            or params["layers"]["mlp"]["down_proj"]["kernel"].dtype != jnp.float32 or not cpu_kernels.enabled()):
+    if (not isinstance(drafter.config, DrafterConfig) or not served
+            or params["layers"]["mlp"]["down_proj"]["kernel"].dtype not in cpu_kernels.DTYPES):
         return params
     if drafter._packed is None or drafter._packed[0] is not params or drafter._packed[1] is not target.params:
         packed = cpu_kernels.pack_layers(params["layers"])
