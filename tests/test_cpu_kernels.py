@@ -220,3 +220,26 @@ def test_a_bf16_target_runs_the_kernels_and_every_method_gives_bf16_ar():
     # bf16 layers and head; an f32 cache holding the bf16 K/V exactly (`llama.cache_dtype`)
     assert any('"hsd_stacked_matmul_packed_bf16"' in txt and '"hsd_tree_attention"' in txt for txt in texts)
     assert llama.cache_dtype(params, cfg) == jnp.float32 and llama.cache_dtype(t.params, cfg) == jnp.bfloat16
+
+
+@built
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_tree_row_equals_its_accepted_path_bit_for_bit(dtype):
+    """Tree node 3 (path 0 -> 2 -> 3, its K/V at slots L, L + 2, L + 3) and the same path as a chain
+    after commit (slots L, L + 1, L + 2): the same attention output exactly, so a method's verify
+    and ar's decode steps agree to the bit (a bf16 model would round a difference to a bf16 ulp)."""
+    rng = np.random.default_rng(11)
+    b, hq, hkv, dh, s, length = 1, 4, 2, 64, 48, 21
+    k = rng.normal(0, 1, (1, b, hkv, s, dh)).astype(np.float32)
+    v = rng.normal(0, 1, (1, b, hkv, s, dh)).astype(np.float32)
+    q = rng.normal(0, 3, (b, hq, 4, dh)).astype(np.float32)
+    run = jax.jit(cpu_kernels.tree_attention, static_argnames="scale")
+    lengths = jnp.asarray([length], jnp.int32)
+    tree = run(q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), 0, lengths,
+               ancestor_mask(jnp.asarray([[-1, 0, 0, 2]], jnp.int32)), scale=dh ** -0.5)
+    path = [length, length + 2, length + 3]
+    kc, vc = k.copy(), v.copy()
+    kc[:, :, :, length:length + 3], vc[:, :, :, length:length + 3] = k[:, :, :, path], v[:, :, :, path]
+    chain = run(q[:, :, [0, 2, 3]], jnp.asarray(kc, dtype), jnp.asarray(vc, dtype), 0, lengths,
+                ancestor_mask(jnp.asarray([[-1, 0, 1]], jnp.int32)), scale=dh ** -0.5)
+    np.testing.assert_array_equal(np.asarray(tree)[:, :, [0, 2, 3]], np.asarray(chain))

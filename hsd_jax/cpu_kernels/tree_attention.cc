@@ -109,11 +109,13 @@ static inline v16 Reduce16(const v16* acc) {
 }
 
 // out[n, dh] (dh = 16 VECS) for query rows q[n, dh] of one query head over its kv head's K, V [s, dh]: scores
-// of slots [0, end) 16 at a time, hidden ones set to -inf, a softmax per row, then the weighted sum of V with
-// 4 rows' outputs in registers. Slots past `end` are never read (the last block re-reads slot end - 1).
+// of slots [0, end) 16 at a time, hidden ones set to -inf, softmax numerators per row, then the weighted sum of V
+// with 4 rows' outputs in registers. Slots past `end` are never read (the last block re-reads slot end - 1).
+// The denominator is summed slot by slot in that same loop: its visible terms come in slot order wherever the
+// row's slots lie (hidden ones add exact zeros), so a row of a tree verify gives, bit for bit, what the decode
+// step of its accepted path gives (a bf16 model rounds any difference up to a bf16 ulp: tokens would differ).
 struct Scratch {                              // per thread, reused across calls: no allocation per head
   std::vector<float> sc;                      // scores, then softmax numerators [n, stride]
-  std::vector<float> inv;                     // 1 / softmax denominator per row
   std::vector<int64_t> live;                  // rows that are their own ancestor; the others are skipped, output 0
 };
 
@@ -123,10 +125,8 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
   constexpr int64_t dh = 16 * VECS;
   const int64_t stride = (end + 15) / 16 * 16;
   std::vector<float>& sc = scratch.sc;
-  std::vector<float>& inv = scratch.inv;
   std::vector<int64_t>& live = scratch.live;
   sc.resize(n * stride);
-  inv.resize(n);
   live.clear();
   for (int64_t i = 0; i < n; ++i) {
     if (anc[i * n + i]) {
@@ -155,7 +155,7 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
       __builtin_memcpy(sc.data() + i * stride + j0, &scores, sizeof(v16));
     }
   }
-  for (const int64_t i : live) {              // softmax numerators and 1 / denominators per row
+  for (const int64_t i : live) {              // softmax numerators per row
     float* row = sc.data() + i * stride;
     v16 vm = Splat(-kInf);
     for (int64_t j = 0; j < stride; j += 16) {
@@ -165,32 +165,31 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
     const float top = Max(vm);
     if (top == -kInf) {                       // a token written past the capacity: sees nothing, outputs 0
       std::fill(row, row + stride, 0.0f);
-      inv[i] = 0.0f;
       continue;
     }
-    v16 l = {};
     for (int64_t j = 0; j < stride; j += 16) {
       const v16 e = Exp(Load(row + j) - Splat(top));
       __builtin_memcpy(row + j, &e, sizeof(v16));
-      l += e;
     }
-    inv[i] = 1.0f / Sum(l);
   }
   const int64_t m = static_cast<int64_t>(live.size());
   for (int64_t i0 = 0; i0 < m; i0 += 4) {
     const int64_t rows = std::min<int64_t>(4, m - i0);
     v16 acc[4][VECS] = {};
+    float den[4] = {};
     for (int64_t j = 0; j < end; ++j) {
       v16 v[VECS];
       for (int c = 0; c < VECS; ++c) v[c] = Load(V + j * dh + 16 * c);
       for (int64_t r = 0; r < rows; ++r) {
-        const v16 p = Splat(sc[live[i0 + r] * stride + j]);
+        const float e = sc[live[i0 + r] * stride + j];
+        den[r] += e;
+        const v16 p = Splat(e);
         for (int c = 0; c < VECS; ++c) acc[r][c] += p * v[c];
       }
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int c = 0; c < VECS; ++c) {
-        const v16 o = acc[r][c] * Splat(inv[live[i0 + r]]);
+        const v16 o = acc[r][c] * Splat(den[r] > 0.0f ? 1.0f / den[r] : 0.0f);   // a row that sees nothing: 0
         __builtin_memcpy(out + live[i0 + r] * dh + 16 * c, &o, sizeof(v16));
       }
   }
