@@ -209,6 +209,12 @@ def test_a_bf16_target_runs_the_kernels_and_every_method_gives_bf16_ar():
     got, want = logits(params), logits(t.params)      # the kernels, XLA's bf16 dots
     scale = float(jnp.abs(want).max())
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05 * scale)
+    # a row's bits do not depend on the row count (the norms too: `cpu_kernels.rms_norm`)
+    run = jax.jit(lambda p, tk, ps: llama.serving_logits(p, cfg, llama.forward(p, cfg, tk, ps, cache).features))
+    long = jnp.asarray(rng.integers(0, 96, (2, 12)), jnp.int32)
+    rows = [np.asarray(run(params, long[:, :n], jnp.broadcast_to(jnp.arange(n), (2, n))))[:, 0] for n in (1, 5, 12)]
+    np.testing.assert_array_equal(rows[0], rows[1])
+    np.testing.assert_array_equal(rows[0], rows[2])
     prompts = [rng.integers(0, 96, size=n).tolist() for n in (3, 11, 70)]    # 70: a prefill past MAX_ROWS
     d = load_drafter("hsd", target=t, random_init=True, seed=1)
     api._COMPILED.clear()

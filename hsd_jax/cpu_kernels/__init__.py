@@ -175,13 +175,29 @@ def stacked_matmul(x, packed, layer, active=None):
         x.astype(jnp.float32), packed, jnp.asarray(layer, jnp.int32).reshape(1), active)
 
 
+def rms_norm(x, scale, eps: float):
+    """`layers.rms_norm` with its sum of squares on `stacked_matmul` (x^2 against a column of ones):
+    the same bits for a row at any row count. XLA:CPU's reduction can sum a row in another order when
+    a forward has 8+ rows, and a bf16 model rounds that f32 difference to a bf16 ulp (a verify row then
+    differed from the decode step, SmolLM2 layer 27). For bf16 models on the kernels."""
+    d = x.shape[-1]
+    xf = x.astype(jnp.float32).reshape(-1, d)
+    ones = jnp.ones((1, 1, d, COLS), jnp.float32)
+    ss = stacked_matmul(xf * xf, ones, 0)[:, :1]
+    y = xf * jax.lax.rsqrt(ss / d + eps) * scale.astype(jnp.float32)
+    return y.reshape(x.shape).astype(x.dtype)
+
+
 def dense_interceptor(packed: dict, layer, active=None):
     """A Flax method interceptor: each Dense whose path (inside the decoder layer) has a packed
     kernel runs `stacked_matmul` on layer `layer` instead of its own (sliced) kernel, on the
-    `active` rows ([B, T] bool; default all) only."""
+    `active` rows ([B, T] bool; default all) only; a bf16 RMSNorm runs `rms_norm`."""
+    from hsd_jax.models.layers import RMSNorm
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
+        if isinstance(module, RMSNorm) and context.method_name == "__call__" and module.dtype == jnp.bfloat16:
+            return rms_norm(args[0], module.variables["params"]["scale"], module.eps)
         key = "/".join(module.scope.path) if isinstance(module, nn.Dense) else None
         if context.method_name != "__call__" or key not in packed:
             return next_fun(*args, **kwargs)

@@ -190,6 +190,8 @@ def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: 
 
 
 def final_norm(params: dict, cfg: ModelConfig, features: jax.Array) -> jax.Array:
+    if cfg.dtype == "bfloat16" and "packed_kernels" in params:   # the same bits at any row count
+        return cpu_kernels.rms_norm(features, params["norm"]["scale"], cfg.rms_norm_eps)
     return rms_norm(features, params["norm"]["scale"], cfg.rms_norm_eps)
 
 
