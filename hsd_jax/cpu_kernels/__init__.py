@@ -15,8 +15,8 @@ value is widened to f32 exactly in registers, activations (bf16 values) go in as
 sums are f32, and each Dense's output is rounded to bf16 as XLA's bf16 dot rounds it. So the
 outputs are the bf16 model's (XLA's bf16 path up to f32 summation order), not the f32 model's. A
 row is computed alike at any row count, so every forward of a bf16 model runs here, prefill too
-(any rows), its programs compile without excess precision (`api.BF16_EXACT_OPTIONS`), and every
-method's greedy output equals bf16 `ar`'s. Its LM head runs the kernel too (`packed_kernels["head"]`,
+(any rows), its norms' sums of squares too (`rms_norm`), its programs compile without excess
+precision (`api.BF16_EXACT_OPTIONS`), and every method's greedy output equals bf16 `ar`'s. Its LM head runs the kernel too (`packed_kernels["head"]`,
 `llama.serving_logits`); its KV cache is f32 (`llama.cache_dtype`: exact for bf16 K/V).
 
 `tree_attention.cc` likewise reads a layer's K/V from the stacked cache in place, and only the
