@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the target's")
+    ap.add_argument("--programs", default=None, help="comma-separated subset of the programs below (default: all)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-kernel", type=int, default=1, help="1: the layers as generate runs them (hsd_jax.cpu_kernels "
                     "where enabled); 0: XLA's dots")
@@ -41,7 +43,7 @@ def main() -> None:
     from hsd_jax.tune import verify_inputs, verify_program
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    target = load_target(args.model, tokenizer=False)
+    target = load_target(args.model, tokenizer=False, dtype=args.dtype)
     cfg = target.config
     params = serving_params(target) if args.cpu_kernel else target.params
 
@@ -58,15 +60,18 @@ def main() -> None:
     programs = {"forward": jax.jit(forward), "forward_xla_attention": jax.jit(forward_xla_attention),
                 "verify": verify_program(cfg), "verify_f32_head": verify_program(cfg, False),
                 "verify_dot_head": jax.jit(verify_dot_head)}
-    inputs = {n: [(params, *verify_inputs(cfg, n, args.context), llama.head_screen(params, cfg, n))] for n in sizes}
+    if args.programs:
+        programs = {name: programs[name] for name in args.programs.split(",")}
+    inputs = {n: [(params, *verify_inputs(cfg, n, args.context, params), llama.head_screen(params, cfg, n))] for n in sizes}
     ms_by_name = interleaved_ms(programs, inputs, args.rounds)
-    out = {"n": sizes, "context": args.context, "rounds": args.rounds, "model": args.model,
+    out = {"n": sizes, "context": args.context, "dtype": args.dtype, "rounds": args.rounds, "model": args.model,
            "machine": machine_info(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "cpu_kernel": "packed_kernels" in params}
     for name in programs:
         ms = [ms_by_name[name][n] for n in sizes]
         out[name] = {"ms": ms, "ratio_to_n1": [round(m / ms[0], 3) for m in ms]}
-    out["ms"], out["ratio_to_n1"] = out["verify"]["ms"], out["verify"]["ratio_to_n1"]
+    if "verify" in programs:
+        out["ms"], out["ratio_to_n1"] = out["verify"]["ms"], out["verify"]["ratio_to_n1"]
     for name in programs:
         print(f"{name:16s} " + "  ".join(f"{n}:{m:.1f}ms/{r:.2f}x" for n, m, r in
                                        zip(sizes, out[name]["ms"], out[name]["ratio_to_n1"])))

@@ -15,6 +15,7 @@ import numpy as np
 from hsd_jax import compilation, cpu_kernels, distributed, sharding
 from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig, from_json
 from hsd_jax.loading.errors import ModelLoadError, read_npy
+from hsd_jax.models import llama
 from hsd_jax.models.drafter import Drafter
 
 
@@ -186,6 +187,10 @@ SMALL_PROGRAM_PARAMS = 1 << 20
 FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                         "xla_cpu_use_fusion_emitters": False}
 VOCAB_TABLES = ("embed_tokens", "lm_head")
+# A bf16 model on the CPU: XLA may otherwise keep a fusion's intermediates in f32 instead of rounding
+# them to bf16 (excess precision), differently in each program (ar's loop, a method's rounds), so
+# methods would stop matching ar; with every bf16 value rounded they compute the same bf16 model.
+BF16_EXACT_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 def compile_options(params) -> dict:
@@ -197,15 +202,19 @@ def compile_options(params) -> dict:
     if jax.default_backend() != "cpu":
         return {}
     body = {k: v for k, v in params.items() if k not in VOCAB_TABLES} if isinstance(params, dict) else params
-    size = sum(int(np.prod(getattr(x, "shape", ()))) for x in jax.tree.leaves(body))
-    return dict(FAST_COMPILE_OPTIONS) if size < SMALL_PROGRAM_PARAMS else {}
+    leaves = jax.tree.leaves(body)
+    size = sum(int(np.prod(getattr(x, "shape", ()))) for x in leaves)
+    options = dict(FAST_COMPILE_OPTIONS) if size < SMALL_PROGRAM_PARAMS else {}
+    if any(getattr(x, "dtype", None) == jnp.bfloat16 for x in leaves):
+        options.update(BF16_EXACT_OPTIONS)
+    return options
 
 
 def serving_params(target: Target) -> dict:
-    """The target's params for decoding: with the packed layer weights (and the LM head's bf16
-    screen) of `hsd_jax.cpu_kernels` (built once per Target) when the kernels are enabled and the
-    model is f32, else as loaded."""
-    if target.config.dtype != "float32" or not cpu_kernels.enabled():
+    """The target's params for decoding: with the packed layer weights of `hsd_jax.cpu_kernels`
+    (built once per Target) when the kernels are enabled, else as loaded. An f32 model adds its
+    tied LM head's bf16 screen (`head_screen`), a bf16 model its whole LM head in bf16 (`head`)."""
+    if target.config.dtype not in ("float32", "bfloat16") or not cpu_kernels.enabled():
         return target.params
     if target._packed is None or target._packed[0] is not target.params:
         target._packed = (target.params, _packed_target(target))
@@ -213,7 +222,7 @@ def serving_params(target: Target) -> dict:
 
 
 def _packed_target(target: Target) -> dict:
-    """The target's packed layers and tied head's screen: read from the weights cache when its params
+    """The target's packed layers and tied head's screen (a bf16 target: its head, packed): read from the weights cache when its params
     are still those loaded from a GGUF file and an earlier load packed them (packing SmolLM2 takes
     ~1 s, mapping it back a fraction), else packed here and stored there for the next process. The
     cache variant names the params' dtype and a hash of the packing code (cpu_kernels/__init__.py),
@@ -232,7 +241,10 @@ def _packed_target(target: Target) -> dict:
         if cached is not None:
             return cached
     packed = cpu_kernels.pack_layers(target.params["layers"])
-    if target.config.tie_word_embeddings:
+    if target.config.dtype == "bfloat16":
+        packed["head"] = jnp.asarray(cpu_kernels.pack_head(llama.lm_head_weight(target.params, target.config),
+                                                           jnp.bfloat16))
+    elif target.config.tie_word_embeddings:
         packed["head_screen"] = jnp.asarray(cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"]))
     if source is not None:
         weights_cache.store_derived(source, variant, packed)
@@ -244,20 +256,20 @@ def serving_drafter_params(drafter: Drafter, target: Target):
     """A feature drafter's (hsd, eagle) params for decoding beside `serving_params(target)`: with
     its layers' packed weights and its draft-vocab head packed (`packed_kernels["draft_head"]`,
     read through `TargetView.packed_head`), built once per drafter and target, when the target is
-    served with the CPU kernels and the drafter is f32; sd's draft LM with its layers packed;
-    else as loaded."""
+    served with the CPU kernels (f32 or bf16, each drafter packed in its own dtype); sd's draft LM
+    with its layers packed; else as loaded."""
     from hsd_jax.models.drafter import DrafterConfig, pack_draft_head
 
     params = drafter.params
-    if (isinstance(drafter.config, ModelConfig) and drafter.config.dtype == "float32"
-            and target.config.dtype == "float32" and cpu_kernels.enabled()):
+    served = target.config.dtype in ("float32", "bfloat16") and cpu_kernels.enabled()   # as `serving_params`
+    if isinstance(drafter.config, ModelConfig) and drafter.config.dtype == target.config.dtype and served:
         # sd's draft LM: its layers through the kernels as the target's, so its attention reads the
         # committed slots only (XLA's scores every slot of the cache capacity)
         if drafter._packed is None or drafter._packed[0] is not params:
             drafter._packed = (params, None, cpu_kernels.pack_layers(params["layers"]))
         return dict(params, packed_kernels=drafter._packed[2])
-    if (not isinstance(drafter.config, DrafterConfig) or target.config.dtype != "float32"
-            or params["layers"]["mlp"]["down_proj"]["kernel"].dtype != jnp.float32 or not cpu_kernels.enabled()):
+    if (not isinstance(drafter.config, DrafterConfig) or not served
+            or params["layers"]["mlp"]["down_proj"]["kernel"].dtype not in cpu_kernels.DTYPES):
         return params
     if drafter._packed is None or drafter._packed[0] is not params or drafter._packed[1] is not target.params:
         packed = cpu_kernels.pack_layers(params["layers"])

@@ -15,16 +15,19 @@ from hsd_jax.engine import REUSE_POLICIES, SpecConfig
 from hsd_jax.tuning import hardware_key, save_tuned
 
 
-def verify_inputs(cfg, n: int, context: int):
+def verify_inputs(cfg, n: int, context: int, params=None):
     """(tokens, positions, cache, parents) of a verify of an n-token chain after `context` cached
-    tokens, batch 1: what `verify_cost_curve` and benchmarks/verify_cost.py time."""
+    tokens, batch 1: what `verify_cost_curve` and benchmarks/verify_cost.py time; the cache in the
+    dtype `generate` gives it over `params` (`llama.cache_dtype`; default the model's)."""
     import jax.numpy as jnp
     import numpy as np
 
     from hsd_jax.cache import init_cache
     from hsd_jax.models.layers import jnp_dtype
+    from hsd_jax.models.llama import cache_dtype
 
-    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + n + 64, cfg.head_dim, jnp_dtype(cfg))
+    dtype = jnp_dtype(cfg) if params is None else cache_dtype(params, cfg)
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + n + 64, cfg.head_dim, dtype)
     cache = cache.replace(lengths=jnp.array([context], jnp.int32))
     return (jnp.ones((1, n), jnp.int32), context + jnp.arange(n, dtype=jnp.int32)[None], cache,
             jnp.asarray(np.arange(n)[None] - 1, jnp.int32))
@@ -62,7 +65,7 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64), con
 
     cfg, params = target.config, serving_params(target)     # as `generate` runs it (the CPU kernel included)
     verify = verify_program(cfg, greedy)
-    inputs = {n: [(params, *verify_inputs(cfg, n, context), llama.head_screen(params, cfg, n) if greedy else None)]
+    inputs = {n: [(params, *verify_inputs(cfg, n, context, params), llama.head_screen(params, cfg, n) if greedy else None)]
               for n in sizes}
     return interleaved_ms({"verify": verify}, inputs, repeats)["verify"]
 

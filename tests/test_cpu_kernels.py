@@ -91,7 +91,8 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
     assert texts["0"][0] == texts["1"][0]
     for target in cpu_kernels.TARGETS:       # quoted: one target's name is a prefix of another's
         assert all(f'"{target}"' not in txt for txt in texts["0"][1])
-        assert all(f'"{target}"' in txt for txt in texts["1"][1])     # decode and verify both run it
+        if target != "hsd_tree_attention_bf16":    # a bf16 cache's: the bf16 tests below
+            assert all(f'"{target}"' in txt for txt in texts["1"][1])     # decode and verify both run it
     # the drafter's layer and draft head run the kernel too: the same tokens, more kernel calls than
     # with the drafter's params as loaded (the target's alone)
     packed = api.serving_drafter_params(d, t)["packed_kernels"]
@@ -158,3 +159,93 @@ def test_a_failed_build_falls_back_to_xla_with_one_warning(tmp_path):
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["False", "5", "1"]
+
+
+@built
+def test_bf16_weights_and_cache_on_the_kernels_equal_a_float64_reference():
+    """bf16 weights (packed as they are) and a bf16 KV cache: widened exactly, so the matmul is the
+    float64 product of the bf16 values up to f32 summation, and the attention is the reference's
+    over the widened cache."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.normal(0, 0.05, (3, 64, 96)), jnp.bfloat16)
+    packed = jnp.asarray(cpu_kernels.pack(w, w.dtype))
+    assert packed.dtype == jnp.bfloat16
+    x = jnp.asarray(rng.normal(0, 1, (9, 64)), jnp.bfloat16)
+    got = np.asarray(jax.jit(cpu_kernels.stacked_matmul)(x, packed, 2))
+    want = np.asarray(x, np.float64) @ np.asarray(w[2], np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    b, s, hq, hkv, dh, n = 2, 40, 4, 2, 64, 5
+    k = jnp.asarray(rng.normal(0, 1, (3, b, hkv, s, dh)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(0, 1, (3, b, hkv, s, dh)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(0, 1, (b, hq, n, dh)), jnp.bfloat16)
+    parents = jnp.asarray([np.arange(n) - 1, [-1, 0, 0, 1, 1]], jnp.int32)
+    lengths = jnp.asarray([3, 20], jnp.int32)
+    got = jax.jit(cpu_kernels.tree_attention, static_argnames="scale")(q, k, v, 1, lengths, ancestor_mask(parents),
+                                                                       scale=dh ** -0.5)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = tree_attention_reference(f32(q), f32(k[1]), f32(v[1]), lengths, parents)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@built
+def test_a_bf16_target_runs_the_kernels_and_every_method_gives_bf16_ar():
+    """A bf16 target's layers, attention and LM head (`packed_kernels["head"]`) on the kernels:
+    its logits are the bf16 model's (XLA's bf16 path within bf16 rounding; a bf16 cache here, on the
+    bf16 attention kernel), and every method's greedy tokens equal bf16 ar's."""
+    t = tiny_target(vocab=96, hidden=64, tie_word_embeddings=True, dtype="bfloat16")
+    params = api.serving_params(t)
+    packed = params["packed_kernels"]
+    assert packed["q_proj"].dtype == packed["head"].dtype == jnp.bfloat16 and "head_screen" not in packed
+    cfg = t.config
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(0, 96, (2, 6)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    cache = init_cache(cfg.num_layers, 2, cfg.num_kv_heads, 16, cfg.head_dim, jnp.bfloat16)
+
+    @jax.jit
+    def logits(p):
+        return llama.serving_logits(p, cfg, llama.forward(p, cfg, tokens, pos, cache).features)
+
+    got, want = logits(params), logits(t.params)      # the kernels, XLA's bf16 dots
+    scale = float(jnp.abs(want).max())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05 * scale)
+    # a row's bits do not depend on the row count (the norms too: `cpu_kernels.rms_norm`)
+    run = jax.jit(lambda p, tk, ps: llama.serving_logits(p, cfg, llama.forward(p, cfg, tk, ps, cache).features))
+    long = jnp.asarray(rng.integers(0, 96, (2, 12)), jnp.int32)
+    rows = [np.asarray(run(params, long[:, :n], jnp.broadcast_to(jnp.arange(n), (2, n))))[:, 0] for n in (1, 5, 12)]
+    np.testing.assert_array_equal(rows[0], rows[1])
+    np.testing.assert_array_equal(rows[0], rows[2])
+    prompts = [rng.integers(0, 96, size=n).tolist() for n in (3, 11, 70)]    # 70: a prefill past MAX_ROWS
+    d = load_drafter("hsd", target=t, random_init=True, seed=1)
+    api._COMPILED.clear()
+    ar = [r.token_ids for r in generate(t, prompts, max_new_tokens=16)]
+    for spec in (dict(method="hsd", drafter=d, tree_nodes=4, tree_depth=3, tree_top_k=2),
+                 dict(method="lookup", drafter=load_drafter("lookup", target=t), gamma=4)):
+        assert [r.token_ids for r in generate(t, prompts, max_new_tokens=16, **spec)] == ar
+    texts = [exe.as_text() for exe in api._COMPILED.values()]
+    # bf16 layers and head; an f32 cache holding the bf16 K/V exactly (`llama.cache_dtype`)
+    assert any('"hsd_stacked_matmul_packed_bf16"' in txt and '"hsd_tree_attention"' in txt for txt in texts)
+    assert llama.cache_dtype(params, cfg) == jnp.float32 and llama.cache_dtype(t.params, cfg) == jnp.bfloat16
+
+
+@built
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_tree_row_equals_its_accepted_path_bit_for_bit(dtype):
+    """Tree node 3 (path 0 -> 2 -> 3, its K/V at slots L, L + 2, L + 3) and the same path as a chain
+    after commit (slots L, L + 1, L + 2): the same attention output exactly, so a method's verify
+    and ar's decode steps agree to the bit (a bf16 model would round a difference to a bf16 ulp)."""
+    rng = np.random.default_rng(11)
+    b, hq, hkv, dh, s, length = 1, 4, 2, 64, 48, 21
+    k = rng.normal(0, 1, (1, b, hkv, s, dh)).astype(np.float32)
+    v = rng.normal(0, 1, (1, b, hkv, s, dh)).astype(np.float32)
+    q = rng.normal(0, 3, (b, hq, 4, dh)).astype(np.float32)
+    run = jax.jit(cpu_kernels.tree_attention, static_argnames="scale")
+    lengths = jnp.asarray([length], jnp.int32)
+    tree = run(q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), 0, lengths,
+               ancestor_mask(jnp.asarray([[-1, 0, 0, 2]], jnp.int32)), scale=dh ** -0.5)
+    path = [length, length + 2, length + 3]
+    kc, vc = k.copy(), v.copy()
+    kc[:, :, :, length:length + 3], vc[:, :, :, length:length + 3] = k[:, :, :, path], v[:, :, :, path]
+    chain = run(q[:, :, [0, 2, 3]], jnp.asarray(kc, dtype), jnp.asarray(vc, dtype), 0, lengths,
+                ancestor_mask(jnp.asarray([[-1, 0, 1]], jnp.int32)), scale=dh ** -0.5)
+    np.testing.assert_array_equal(np.asarray(tree)[:, :, [0, 2, 3]], np.asarray(chain))

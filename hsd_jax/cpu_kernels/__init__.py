@@ -6,8 +6,18 @@ Inside the layer `lax.scan`, XLA:CPU copies each layer's weight matrices out of 
 (BENCHMARKS.md, "Why the CPU kernels"). `stacked_matmul.cc` is an XLA FFI handler that reads a layer's
 weights in place from a pre-packed copy ([L, f / 32, d, 32]: every 32-column tile contiguous,
 streamed in order), each weight once for all rows. The engine uses it for every Dense of the
-target's layers when `enabled()`: f32 on the CPU, no mesh, a forward of at most MAX_ROWS rows;
-prefill and training keep XLA's dots.
+target's layers when `enabled()`: on the CPU, no mesh, a forward of at most MAX_ROWS rows (f32;
+bf16: any, below); f32 prefill and training keep XLA's dots.
+
+A bf16 target (`load_target(..., dtype="bfloat16")`) runs the same kernels on its bf16 weights,
+packed as they are (half the bytes of f32; the attention kernel reads a bf16 cache too): each bf16
+value is widened to f32 exactly in registers, activations (bf16 values) go in as f32 exactly, products and
+sums are f32, and each Dense's output is rounded to bf16 as XLA's bf16 dot rounds it. So the
+outputs are the bf16 model's (XLA's bf16 path up to f32 summation order), not the f32 model's. A
+row is computed alike at any row count, so every forward of a bf16 model runs here, prefill too
+(any rows), its norms' sums of squares too (`rms_norm`), its programs compile without excess
+precision (`api.BF16_EXACT_OPTIONS`), and every method's greedy output equals bf16 `ar`'s. Its LM head runs the kernel too (`packed_kernels["head"]`,
+`llama.serving_logits`); its KV cache is f32 (`llama.cache_dtype`: exact for bf16 K/V).
 
 `tree_attention.cc` likewise reads a layer's K/V from the stacked cache in place, and only the
 slots a query sees (the committed prefix and its ancestors among the new tokens), where XLA
@@ -41,7 +51,8 @@ MAX_ROWS = 64       # forwards up to this many rows (batch x new tokens): measur
 SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("stacked_matmul.cc", "tree_attention.cc"))
 HEADERS = (os.path.join(os.path.dirname(__file__), "parallel.h"),)
 TARGETS = {"hsd_stacked_matmul_packed": "StackedMatmulPacked", "hsd_stacked_matmul_packed_bf16": "StackedMatmulPackedBF16",
-           "hsd_tree_attention": "TreeAttention"}
+           "hsd_tree_attention": "TreeAttention", "hsd_tree_attention_bf16": "TreeAttentionBF16"}
+DTYPES = (jnp.float32, jnp.bfloat16)   # the weight and cache dtypes the kernels read
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -108,30 +119,44 @@ def enabled() -> bool:
             and _registered())
 
 
+# bf16 tiles store columns 0, 16, 1, 17, ..., 15, 31: the kernel widens each 32-bit pair with a shift and a mask
+BF16_ORDER = np.stack([np.arange(COLS // 2), np.arange(COLS // 2) + COLS // 2], 1).reshape(-1)
+
+
 def pack(w, dtype=np.float32) -> np.ndarray:
-    """[L, d, f] -> [L, f / 32, d, 32] in `dtype`, each column tile contiguous."""
+    """[L, d, f] -> [L, f / 32, d, 32] in `dtype`, each column tile contiguous (bf16: its columns in
+    BF16_ORDER)."""
     w = np.asarray(w, np.float32)
     L, d, f = w.shape
-    return np.ascontiguousarray(w.reshape(L, d, f // COLS, COLS).transpose(0, 2, 1, 3).astype(dtype))
+    tiles = w.reshape(L, d, f // COLS, COLS).transpose(0, 2, 1, 3)
+    if np.dtype(dtype) == jnp.bfloat16:
+        tiles = tiles[..., BF16_ORDER]
+    return np.ascontiguousarray(tiles.astype(dtype))
+
+
+def pack_head(weight, dtype) -> np.ndarray:
+    """An LM head [d, V] as [1, ceil(V / 32), d, 32] in `dtype`, the vocabulary zero-padded to
+    whole column tiles (`stacked_matmul`'s output then has V rounded up to 32 columns)."""
+    w = np.asarray(weight, np.float32)
+    return pack(np.pad(w, ((0, 0), (0, -w.shape[1] % COLS)))[None], dtype)
 
 
 def pack_head_screen(embedding) -> np.ndarray:
-    """The bf16 screen of a tied LM head (`llama.screened_argmax`) from the embedding [V, d]:
-    [1, ceil(V / 32), d, 32], the vocabulary zero-padded to whole column tiles."""
-    e = np.asarray(embedding, np.float32)
-    pad = -e.shape[0] % COLS
-    return pack(np.pad(e, ((0, pad), (0, 0))).T[None], jnp.bfloat16)
+    """The bf16 screen of a tied f32 LM head (`llama.screened_argmax`) from the embedding [V, d]."""
+    return pack_head(np.asarray(embedding, np.float32).T, jnp.bfloat16)
 
 
 def pack_layers(layers: dict) -> dict:
-    """{"q_proj": [L, f/32, d, 32], "mlp/gate_proj": ...}: every f32 Dense kernel of the stacked
-    layer params whose output width is a multiple of COLS (the others keep XLA's dot)."""
+    """{"q_proj": [L, f/32, d, 32], "mlp/gate_proj": ...}: every f32 or bf16 Dense kernel of the
+    stacked layer params whose output width is a multiple of COLS, packed in its own dtype (the
+    others keep XLA's dot)."""
     out = {}
 
     def visit(tree, path):
         for name, sub in tree.items():
-            if name == "kernel" and getattr(sub, "ndim", 0) == 3 and sub.dtype == jnp.float32 and sub.shape[2] % COLS == 0:
-                out["/".join(path)] = jnp.asarray(pack(sub))
+            if (name == "kernel" and getattr(sub, "ndim", 0) == 3 and sub.dtype in DTYPES
+                    and sub.shape[2] % COLS == 0):
+                out["/".join(path)] = jnp.asarray(pack(sub, sub.dtype))
             elif isinstance(sub, dict):
                 visit(sub, path + (name,))
 
@@ -150,37 +175,56 @@ def stacked_matmul(x, packed, layer, active=None):
         x.astype(jnp.float32), packed, jnp.asarray(layer, jnp.int32).reshape(1), active)
 
 
+def rms_norm(x, scale, eps: float):
+    """`layers.rms_norm` with its sum of squares on `stacked_matmul` (x^2 against a column of ones):
+    the same bits for a row at any row count. XLA:CPU's reduction can sum a row in another order when
+    a forward has 8+ rows, and a bf16 model rounds that f32 difference to a bf16 ulp (a verify row then
+    differed from the decode step, SmolLM2 layer 27). For bf16 models on the kernels."""
+    d = x.shape[-1]
+    xf = x.astype(jnp.float32).reshape(-1, d)
+    ones = jnp.ones((1, 1, d, COLS), jnp.float32)
+    ss = stacked_matmul(xf * xf, ones, 0)[:, :1]
+    y = xf * jax.lax.rsqrt(ss / d + eps) * scale.astype(jnp.float32)
+    return y.reshape(x.shape).astype(x.dtype)
+
+
 def dense_interceptor(packed: dict, layer, active=None):
     """A Flax method interceptor: each Dense whose path (inside the decoder layer) has a packed
     kernel runs `stacked_matmul` on layer `layer` instead of its own (sliced) kernel, on the
-    `active` rows ([B, T] bool; default all) only."""
+    `active` rows ([B, T] bool; default all) only; a bf16 RMSNorm runs `rms_norm`."""
+    from hsd_jax.models.layers import RMSNorm
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
+        if isinstance(module, RMSNorm) and context.method_name == "__call__" and module.dtype == jnp.bfloat16:
+            return rms_norm(args[0], module.variables["params"]["scale"], module.eps)
         key = "/".join(module.scope.path) if isinstance(module, nn.Dense) else None
         if context.method_name != "__call__" or key not in packed:
             return next_fun(*args, **kwargs)
         x = args[0]
         rows = None if active is None else active.reshape(-1)
         y = stacked_matmul(x.reshape(-1, x.shape[-1]), packed[key], layer, rows).reshape(*x.shape[:-1], -1)
+        y = y.astype(module.dtype or x.dtype)      # rounded as the Dense's own dot rounds (bf16 models)
         if module.use_bias:
             y = y + module.variables["params"]["bias"]
-        return y.astype(module.dtype or x.dtype)
+        return y
 
     return intercept
 
 
 def attention_supported(cache_dtype, head_dim: int) -> bool:
-    """Whether `tree_attention` serves a cache of this dtype and head size (f32; Dh a multiple of
-    16 up to 128)."""
-    return jnp.dtype(cache_dtype) == jnp.float32 and head_dim % 16 == 0 and head_dim <= 128
+    """Whether `tree_attention` serves a cache of this dtype and head size (f32 or bf16; Dh a
+    multiple of 16 up to 128)."""
+    return jnp.dtype(cache_dtype) in DTYPES and head_dim % 16 == 0 and head_dim <= 128
 
 
 def tree_attention(q, k_stack, v_stack, layer, lengths, ancestors, scale: float):
     """Attention of q [B, Hq, N, Dh] over layer `layer` of the stacked cache [L, B, Hkv, S, Dh]
     (the N new tokens' K/V already written at slots lengths[b] + i): query i sees the prefix
     [0, lengths[b]) and new token a where ancestors[b, i, a] (`tree_attention_reference`'s rule);
-    a query that is not its own ancestor is skipped and outputs 0."""
-    return jax.ffi.ffi_call("hsd_tree_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+    a query that is not its own ancestor is skipped and outputs 0. An f32 or bf16 cache (read as
+    stored, widened exactly); f32 output either way."""
+    target = "hsd_tree_attention_bf16" if k_stack.dtype == jnp.bfloat16 else "hsd_tree_attention"
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_stack, v_stack, jnp.asarray(layer, jnp.int32).reshape(1),
         lengths.astype(jnp.int32), ancestors.astype(jnp.int32), scale=np.float32(scale))

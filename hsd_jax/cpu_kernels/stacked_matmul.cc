@@ -1,7 +1,8 @@
 // y[N, f] = x[N, d] @ w[layer] for the target's stacked layer weights, read in place (hsd_jax.cpu_kernels).
 // XLA:CPU copies a layer's weights out of the [L, d, f] stack before its GEMM when N > 1 (BENCHMARKS.md,
 // "Why the CPU kernels"); this XLA FFI handler reads them where they are, each weight once for all N rows, from
-// the plain [L, d, f] layout or, streamed in order, from [L, f / 32, d, 32] (f32, or bf16 widened exactly). Threads: XLA's intra-op pool.
+// the plain [L, d, f] layout or, streamed in order, from [L, f / 32, d, 32] (f32, or bf16 widened exactly: a bf16
+// model's layers and LM head, the f32 LM head's screen). Threads: XLA's intra-op pool.
 // Rows whose `active` flag is 0 are skipped and come out 0 (a verify narrower than its static shape).
 #include <algorithm>
 #include <cstdint>
@@ -13,22 +14,26 @@
 namespace ffi = xla::ffi;
 
 typedef float v16 __attribute__((vector_size(64)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));
 constexpr int64_t kCols = 32, kRows = 8;
+#ifndef HSD_AHEAD
+#define HSD_AHEAD 128
+#endif
+constexpr int64_t kAhead = HSD_AHEAD;   // software prefetch distance in tile rows (bf16 tiles: 64 bytes a row, 8 KB ahead)
 
-// 32 consecutive weights as two f32 vectors: f32 as stored, bf16 (uint16 bits) widened exactly.
+// 32 consecutive weights as two f32 vectors (columns 0-15 and 16-31 of the tile): f32 as stored; bf16 widened
+// exactly, stored with the two halves interleaved (columns 0, 16, 1, 17, ...: `cpu_kernels.pack`) so that each
+// 32-bit lane holds column i in its low half and column i + 16 in its high half: one load, a shift and a mask.
 static inline void LoadW(const float* w, v16& w0, v16& w1) {
   __builtin_memcpy(&w0, w, sizeof(v16));
   __builtin_memcpy(&w1, w + 16, sizeof(v16));
 }
 static inline void LoadW(const uint16_t* w, v16& w0, v16& w1) {
-  vh16 h0, h1;
-  __builtin_memcpy(&h0, w, sizeof(vh16));
-  __builtin_memcpy(&h1, w + 16, sizeof(vh16));
-  const vu16 u0 = __builtin_convertvector(h0, vu16) << 16, u1 = __builtin_convertvector(h1, vu16) << 16;
-  __builtin_memcpy(&w0, &u0, sizeof(v16));
-  __builtin_memcpy(&w1, &u1, sizeof(v16));
+  vu16 u;
+  __builtin_memcpy(&u, w, sizeof(vu16));
+  const vu16 lo = u << 16, hi = u & 0xFFFF0000u;
+  __builtin_memcpy(&w0, &lo, sizeof(v16));
+  __builtin_memcpy(&w1, &hi, sizeof(v16));
 }
 
 // y[r0 : r0 + R, j : j + 32] over all of d, in 2R AVX-512 registers (R fixed: fully unrolled);
@@ -37,6 +42,10 @@ template <int R, typename T>
 static void Tile(const float* X, const T* W, int64_t ws, float* Y, int64_t d, int64_t f, int64_t r0, int64_t j) {
   v16 acc[R][2] = {};
   for (int64_t k = 0; k < d; ++k) {
+    // bf16 at 2+ rows: prefetch kAhead rows of the tile ahead (past its end: the next tile's, contiguous when
+    // packed); at 4-8 rows 1.4-1.8x faster (benchmarks/verify_cost.py --dtype bfloat16), where the widening
+    // makes the tile compute-bound and the hardware prefetcher falls behind. One row and f32: no gain, none.
+    if (sizeof(T) == 2 && R > 1 && kAhead > 0) __builtin_prefetch(W + (k + kAhead) * ws, 0, 0);
     v16 w0, w1;
     LoadW(W + k * ws, w0, w1);
 #pragma GCC unroll 8
@@ -129,5 +138,5 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmul, (StackedMatmulImpl<false, ffi::F32, float>), HSD_BIND(ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPacked, (StackedMatmulImpl<true, ffi::F32, float>), HSD_BIND(ffi::F32));
-// bf16 weights (the LM head's screen, `llama.screened_argmax`): half the bytes, widened to f32 in registers
+// bf16 weights (a bf16 model's layers and head; the f32 head's screen, `llama.screened_argmax`): half the bytes, widened in registers
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPackedBF16, (StackedMatmulImpl<true, ffi::BF16, uint16_t>), HSD_BIND(ffi::BF16));

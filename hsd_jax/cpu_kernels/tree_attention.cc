@@ -5,7 +5,8 @@
 // [lengths[b], lengths[b] + N) that are its ancestors (or itself) in the draft tree. A chain (N = 1
 // included) is causal attention. One task per (sequence, query head): K and V of its kv head are
 // streamed once for all N rows. A row that is not its own ancestor is skipped and outputs 0 (a verify
-// narrower than its static shape).
+// narrower than its static shape). The cache is f32, or bf16 (a bf16 model's) widened exactly in registers;
+// q, scores, softmax and sums are f32 either way.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,6 +23,19 @@ typedef float v16 __attribute__((vector_size(64)));
 static inline v16 Load(const float* p) {
   v16 v;
   __builtin_memcpy(&v, p, sizeof(v16));
+  return v;
+}
+
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+
+// 16 bf16 cache entries (uint16 bits) widened exactly to f32
+static inline v16 Load(const uint16_t* p) {
+  vh16 h;
+  __builtin_memcpy(&h, p, sizeof(vh16));
+  const vu16 u = __builtin_convertvector(h, vu16) << 16;
+  v16 v;
+  __builtin_memcpy(&v, &u, sizeof(v16));
   return v;
 }
 
@@ -95,24 +109,24 @@ static inline v16 Reduce16(const v16* acc) {
 }
 
 // out[n, dh] (dh = 16 VECS) for query rows q[n, dh] of one query head over its kv head's K, V [s, dh]: scores
-// of slots [0, end) 16 at a time, hidden ones set to -inf, a softmax per row, then the weighted sum of V with
-// 4 rows' outputs in registers. Slots past `end` are never read (the last block re-reads slot end - 1).
+// of slots [0, end) 16 at a time, hidden ones set to -inf, softmax numerators per row, then the weighted sum of V
+// with 4 rows' outputs in registers. Slots past `end` are never read (the last block re-reads slot end - 1).
+// The denominator is summed slot by slot in that same loop: its visible terms come in slot order wherever the
+// row's slots lie (hidden ones add exact zeros), so a row of a tree verify gives, bit for bit, what the decode
+// step of its accepted path gives (a bf16 model rounds any difference up to a bf16 ulp: tokens would differ).
 struct Scratch {                              // per thread, reused across calls: no allocation per head
   std::vector<float> sc;                      // scores, then softmax numerators [n, stride]
-  std::vector<float> inv;                     // 1 / softmax denominator per row
   std::vector<int64_t> live;                  // rows that are their own ancestor; the others are skipped, output 0
 };
 
-template <int VECS>
-static void Head(const float* q, const float* K, const float* V, const int32_t* anc, int64_t n, int64_t len,
+template <int VECS, typename T>
+static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int64_t n, int64_t len,
                  int64_t end, float scale, float* out, Scratch& scratch) {
   constexpr int64_t dh = 16 * VECS;
   const int64_t stride = (end + 15) / 16 * 16;
   std::vector<float>& sc = scratch.sc;
-  std::vector<float>& inv = scratch.inv;
   std::vector<int64_t>& live = scratch.live;
   sc.resize(n * stride);
-  inv.resize(n);
   live.clear();
   for (int64_t i = 0; i < n; ++i) {
     if (anc[i * n + i]) {
@@ -122,7 +136,7 @@ static void Head(const float* q, const float* K, const float* V, const int32_t* 
     }
   }
   for (int64_t j0 = 0; j0 < end; j0 += 16) {
-    const float* ks[16];
+    const T* ks[16];
     for (int jj = 0; jj < 16; ++jj) ks[jj] = K + std::min(j0 + jj, end - 1) * dh;
     for (const int64_t i : live) {
       const float* qi = q + i * dh;
@@ -141,7 +155,7 @@ static void Head(const float* q, const float* K, const float* V, const int32_t* 
       __builtin_memcpy(sc.data() + i * stride + j0, &scores, sizeof(v16));
     }
   }
-  for (const int64_t i : live) {              // softmax numerators and 1 / denominators per row
+  for (const int64_t i : live) {              // softmax numerators per row
     float* row = sc.data() + i * stride;
     v16 vm = Splat(-kInf);
     for (int64_t j = 0; j < stride; j += 16) {
@@ -151,44 +165,48 @@ static void Head(const float* q, const float* K, const float* V, const int32_t* 
     const float top = Max(vm);
     if (top == -kInf) {                       // a token written past the capacity: sees nothing, outputs 0
       std::fill(row, row + stride, 0.0f);
-      inv[i] = 0.0f;
       continue;
     }
-    v16 l = {};
     for (int64_t j = 0; j < stride; j += 16) {
       const v16 e = Exp(Load(row + j) - Splat(top));
       __builtin_memcpy(row + j, &e, sizeof(v16));
-      l += e;
     }
-    inv[i] = 1.0f / Sum(l);
   }
   const int64_t m = static_cast<int64_t>(live.size());
   for (int64_t i0 = 0; i0 < m; i0 += 4) {
     const int64_t rows = std::min<int64_t>(4, m - i0);
     v16 acc[4][VECS] = {};
+    float den[4] = {};
     for (int64_t j = 0; j < end; ++j) {
       v16 v[VECS];
       for (int c = 0; c < VECS; ++c) v[c] = Load(V + j * dh + 16 * c);
       for (int64_t r = 0; r < rows; ++r) {
-        const v16 p = Splat(sc[live[i0 + r] * stride + j]);
+        const float e = sc[live[i0 + r] * stride + j];
+        den[r] += e;
+        const v16 p = Splat(e);
         for (int c = 0; c < VECS; ++c) acc[r][c] += p * v[c];
       }
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int c = 0; c < VECS; ++c) {
-        const v16 o = acc[r][c] * Splat(inv[live[i0 + r]]);
+        const v16 o = acc[r][c] * Splat(den[r] > 0.0f ? 1.0f / den[r] : 0.0f);   // a row that sees nothing: 0
         __builtin_memcpy(out + live[i0 + r] * dh + 16 * c, &o, sizeof(v16));
       }
   }
 }
 
-using HeadFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, float,
-                        float*, Scratch&);
-static constexpr HeadFn kHeads[] = {Head<1>, Head<2>, Head<3>, Head<4>, Head<5>, Head<6>, Head<7>, Head<8>};
+template <typename T>
+using HeadFn = void (*)(const float*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, float, float*,
+                        Scratch&);
+template <typename T>
+static constexpr HeadFn<T> kHeads[] = {Head<1, T>, Head<2, T>, Head<3, T>, Head<4, T>,
+                                       Head<5, T>, Head<6, T>, Head<7, T>, Head<8, T>};
 constexpr int64_t kMaxHeadDim = 128;
 
-static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
+// T: the cache's element type (float, or bf16 as uint16 bits widened exactly); q and out are f32
+template <ffi::DataType kKV, typename T>
+static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kKV> k,
+                                    ffi::Buffer<kKV> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                                     ffi::Buffer<ffi::S32> ancestors, float scale, ffi::ResultBuffer<ffi::F32> out) {
   // q [B, Hq, N, Dh]; k, v [L, B, Hkv, S, Dh]; lengths [B]; ancestors [B, N, N] (nonzero: a is i's ancestor or i)
   const auto qd = q.dimensions();
@@ -201,8 +219,8 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= kd[0]) return ffi::Error(ffi::ErrorCode::kOutOfRange, "tree_attention: layer out of range");
   const float* Q = q.typed_data();
-  const float* Kl = k.typed_data() + l * b * hkv * s * dh;
-  const float* Vl = v.typed_data() + l * b * hkv * s * dh;
+  const T* Kl = reinterpret_cast<const T*>(k.untyped_data()) + l * b * hkv * s * dh;
+  const T* Vl = reinterpret_cast<const T*>(v.untyped_data()) + l * b * hkv * s * dh;
   const int32_t* lens = lengths.typed_data();
   const int32_t* anc = ancestors.typed_data();
   float* O = out->typed_data();
@@ -213,19 +231,23 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     const int64_t bi = t / hq, h = t % hq, kvh = h / group;
     const int64_t len = std::clamp<int64_t>(lens[bi], 0, s), end = std::min<int64_t>(len + n, s);
     const int64_t kv = (bi * hkv + kvh) * s * dh;
-    kHeads[dh / 16 - 1](Q + t * n * dh, Kl + kv, Vl + kv, anc + bi * n * n, n, len, end, scale, O + t * n * dh, sc);
+    kHeads<T>[dh / 16 - 1](Q + t * n * dh, Kl + kv, Vl + kv, anc + bi * n * n, n, len, end, scale, O + t * n * dh, sc);
   });
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeAttention, TreeAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define HSD_ATTENTION_BIND(KV)         \
+  ffi::Ffi::Bind()                     \
+      .Ctx<ffi::ThreadPool>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()    \
+      .Arg<ffi::Buffer<KV>>()          \
+      .Arg<ffi::Buffer<KV>>()          \
+      .Arg<ffi::Buffer<ffi::S32>>()    \
+      .Arg<ffi::Buffer<ffi::S32>>()    \
+      .Arg<ffi::Buffer<ffi::S32>>()    \
+      .Attr<float>("scale")            \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeAttention, (TreeAttentionImpl<ffi::F32, float>), HSD_ATTENTION_BIND(ffi::F32));
+// a bf16 model's cache (half the bytes; its entries widened exactly, f32 scores and sums)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeAttentionBF16, (TreeAttentionImpl<ffi::BF16, uint16_t>), HSD_ATTENTION_BIND(ffi::BF16));

@@ -163,7 +163,9 @@ def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: 
     layer = DecoderLayer(cfg)
     feature_layers = jnp.asarray(cfg.feature_layers, jnp.int32)
     b, t = x.shape[:2]
-    packed = params.get("packed_kernels") if b * t <= cpu_kernels.MAX_ROWS else None
+    # a bf16 model runs every forward on the kernels, prefill included: XLA's bf16 dots round differently
+    # in each program (ar's, a method's), so a prompt's cache, and then the tokens, could differ by method
+    packed = params.get("packed_kernels") if b * t <= cpu_kernels.MAX_ROWS or cfg.dtype == "bfloat16" else None
     # with packed stacks the CPU kernels read this layer's weights and cache in place (no copies)
     ancestors = None
     if packed and cpu_kernels.attention_supported(cache.k.dtype, cfg.head_dim):
@@ -188,6 +190,8 @@ def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: 
 
 
 def final_norm(params: dict, cfg: ModelConfig, features: jax.Array) -> jax.Array:
+    if cfg.dtype == "bfloat16" and "packed_kernels" in params:   # the same bits at any row count
+        return cpu_kernels.rms_norm(features, params["norm"]["scale"], cfg.rms_norm_eps)
     return rms_norm(features, params["norm"]["scale"], cfg.rms_norm_eps)
 
 
@@ -225,6 +229,12 @@ def serving_logits(params: dict, cfg: ModelConfig, features: jax.Array) -> jax.A
     """`logits_from_features` in the form fastest for decoding and verification. Training keeps
     `logits_from_features`: backpropagating through the streamed form is neither measured nor tested."""
     lead = features.shape[:-1]
+    head = params.get("packed_kernels", {}).get("head")
+    if head is not None and math.prod(lead) <= cpu_kernels.MAX_ROWS:
+        # a bf16 model's head on the CPU kernel (`api.serving_params`): its bf16 weights widened
+        # exactly, f32 sums, as XLA's bf16 dot with f32 output computes them (up to summation order)
+        rows = final_norm(params, cfg, features).reshape(-1, features.shape[-1])
+        return cpu_kernels.stacked_matmul(rows, head, 0)[:, :cfg.vocab_size].reshape(*lead, cfg.vocab_size)
     if not streams_head_rows(cfg, math.prod(lead)):
         return logits_from_features(params, cfg, features)
     e = params["embed_tokens"]["embedding"]
@@ -330,10 +340,20 @@ def prefill(params: dict, cfg: ModelConfig, tokens: jax.Array, prompt_lens: jax.
     return logits, out._replace(cache=out.cache.replace(lengths=prompt_lens.astype(jnp.int32)))
 
 
+def cache_dtype(params: dict, cfg: ModelConfig):
+    """The KV cache's dtype for serving `params`: the model's, except f32 for a bf16 model on the CPU
+    kernels (`packed_kernels`). XLA:CPU has no bf16 scatter: each layer's cache write widened the whole
+    [L, ...] bf16 stack to f32 and back (a bf16 decode step 105 ms against f32's 22 ms, SmolLM2, 512
+    cached tokens), and as uint16 bits it still copies the stack. The K/V are bf16 values either way
+    (the projections round to bf16), so an f32 cache holds them exactly: same outputs, twice the
+    cache's bytes (~1 ms a step at 1536 cached tokens)."""
+    return jnp.float32 if "packed_kernels" in params else jnp_dtype(cfg)
+
+
 def prefill_new_cache(params: dict, cfg: ModelConfig, tokens: jax.Array, prompt_lens: jax.Array, capacity: int):
     """`prefill` into a new cache of `capacity` slots: the prompts [B, T] attend over T slots (the
     rest of an empty cache is never visible), so a prefill costs the same at any capacity."""
     b, t = tokens.shape
-    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, t, cfg.head_dim, jnp_dtype(cfg))
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, t, cfg.head_dim, cache_dtype(params, cfg))
     logits, out = prefill(params, cfg, tokens, prompt_lens, cache)
     return logits, out._replace(cache=widen(out.cache, capacity))
