@@ -4,7 +4,8 @@ times, and whether every output equals ar without the kernels.
 
 `--scope all` switches every kernel (`HSD_CPU_KERNELS`); `--scope drafter` keeps the target on its
 kernels and switches only the feature drafters' (their packed layer and draft head,
-`api.serving_drafter_params`), with ar as the noise control. `--scope bf16`: a bf16 target against
+`api.serving_drafter_params`: off, f32, bf16 weights), with ar as the noise control and ngram at the
+same tree (+4 lookup nodes) as the drafter-free round: hsd's round minus ngram's is the drafter's share. `--scope bf16`: a bf16 target against
 the f32 one, both on the kernels (`bf16_vs_f32`).
 
     python benchmarks/cpu_kernel.py --suite mt_bench --num-prompts 8 --max-new-tokens 96 --json OUT
@@ -44,22 +45,24 @@ def main() -> None:
     hsd = dict(method="hsd", drafter=load_drafter("hsd", target=target), tree_nodes=n, tree_depth=d, tree_top_k=k,
                **({"reuse": args.reuse} if args.reuse else {}))
     eagle = dict(method="eagle", drafter=load_drafter("eagle", target=target), tree_nodes=n, tree_depth=d, tree_top_k=k)
+    ngram = dict(method="ngram", drafter=load_drafter("ngram", target=target), tree_nodes=n, tree_depth=d,
+                 tree_top_k=k, lookup_slots=4)
     methods = {"ar": {}, f"hsd {args.tree}": hsd, f"hsd {args.tree}+lookup4": dict(hsd, lookup_slots=4),
-               f"eagle {args.tree}": eagle}
+               f"eagle {args.tree}": eagle, f"ngram {args.tree}+lookup4": ngram}
     if args.scope == "all":
         methods = {"ar": {}, "lookup": dict(method="lookup", drafter=load_drafter("lookup", target=target), gamma=6),
                    **{k: v for k, v in methods.items() if k != "ar"},
                    "hsd 8/4/3": dict(hsd, tree_nodes=8, tree_depth=4, tree_top_k=3)}
-    modes = ("off", "on")
+    modes = ("off", "on") if args.scope == "all" else ("off", "f32", "bf16")
 
     def switched(mode):
-        """The kernels of the chosen scope off or on."""
+        """The kernels of the chosen scope off or on (drafter: on with f32 or bf16 weights)."""
         if args.scope == "all":
             os.environ["HSD_CPU_KERNELS"] = "1" if mode == "on" else "0"
             return contextlib.nullcontext()
-        if mode == "on":
-            return contextlib.nullcontext()
-        return mock.patch.object(api, "serving_drafter_params", lambda drafter, target: drafter.params)
+        if mode == "off":
+            return mock.patch.object(api, "serving_drafter_params", lambda drafter, target: drafter.params)
+        return mock.patch.object(api, "DRAFTER_KERNEL_DTYPE", "float32" if mode == "f32" else "bfloat16")
 
     res = {}
     for mode in modes:
@@ -86,11 +89,20 @@ def main() -> None:
         ms = 1e3 * rec["seconds"] / max(rec["rounds"], 1)   # ar: a round is a token
         table.setdefault(name, {})[mode] = {
             "tokens_per_s": round(tps, 2), "speedup_vs_ar": round(tps / ar[mode], 3), "ms_per_round": round(ms, 2),
+            "tau": round(rec["tokens"] / max(rec["rounds"], 1), 3),
             "compile_seconds": round(rec["compile_seconds"], 2), "identical_to_ar_off": rec["ids"] == ref}
         print(f"{name:22s} {args.scope} kernels {mode:3s}: {tps:6.2f} tok/s, {tps / ar[mode]:.2f}x ar ({mode}), "
               f"{ms:5.1f} ms/round, compile {rec['compile_seconds']:.1f} s, identical to ar (off): {rec['ids'] == ref}")
     for name, row in table.items():
-        print(f"{name:22s} on/off: {row['on']['tokens_per_s'] / row['off']['tokens_per_s']:.2f}x")
+        print(f"{name:22s} {modes[-1]}/off: {row[modes[-1]]['tokens_per_s'] / row['off']['tokens_per_s']:.2f}x")
+    if args.scope == "drafter":   # the drafter's share of an hsd round: what it costs beyond ngram's at the same tree
+        hsd_row, ngram_row = table[f"hsd {args.tree}+lookup4"], table[f"ngram {args.tree}+lookup4"]
+        for mode in modes:
+            h, g = hsd_row[mode]["ms_per_round"], ngram_row[mode]["ms_per_round"]
+            hsd_row[mode]["drafter_ms_per_round"] = round(h - g, 2)
+            hsd_row[mode]["drafter_share_of_round"] = round((h - g) / h, 3)
+            print(f"drafter ({mode}): {h - g:.1f} ms of a {h:.1f} ms hsd+lookup4 round ({(h - g) / h:.0%}; "
+                  f"ngram's round {g:.1f} ms)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"suite": args.suite, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,

@@ -252,12 +252,19 @@ def _packed_target(target: Target) -> dict:
     return {k: jax.device_put(v, cpu) for k, v in packed.items()}
 
 
-def serving_drafter_params(drafter: Drafter, target: Target):
+# The feature drafters' weights on the CPU kernels: bf16 (half the bytes a pass streams; widened
+# exactly in registers, f32 sums). They only propose tokens, so their rounding moves acceptance,
+# never an output (BENCHMARKS.md, "The drafter's share of a round").
+DRAFTER_KERNEL_DTYPE = "bfloat16"
+
+
+def serving_drafter_params(drafter: Drafter, target: Target, dtype: str | None = None):
     """A feature drafter's (hsd, eagle) params for decoding beside `serving_params(target)`: with
     its layers' packed weights and its draft-vocab head packed (`packed_kernels["draft_head"]`,
-    read through `TargetView.packed_head`), built once per drafter and target, when the target is
-    served with the CPU kernels (f32 or bf16, each drafter packed in its own dtype); sd's draft LM
-    with its layers packed; else as loaded."""
+    read through `TargetView.packed_head`) in `dtype` (default DRAFTER_KERNEL_DTYPE), built once
+    per drafter, target and dtype, when the target is served with the CPU kernels (f32 or bf16);
+    sd's draft LM with its layers packed in its own dtype (a draft LM's forward is the target's);
+    else as loaded."""
     from hsd_jax.models.drafter import DrafterConfig, pack_draft_head
 
     params = drafter.params
@@ -266,18 +273,20 @@ def serving_drafter_params(drafter: Drafter, target: Target):
         # sd's draft LM: its layers through the kernels as the target's, so its attention reads the
         # committed slots only (XLA's scores every slot of the cache capacity)
         if drafter._packed is None or drafter._packed[0] is not params:
-            drafter._packed = (params, None, cpu_kernels.pack_layers(params["layers"]))
-        return dict(params, packed_kernels=drafter._packed[2])
+            drafter._packed = (params, None, None, cpu_kernels.pack_layers(params["layers"]))
+        return dict(params, packed_kernels=drafter._packed[-1])
     if (not isinstance(drafter.config, DrafterConfig) or not served
             or params["layers"]["mlp"]["down_proj"]["kernel"].dtype not in cpu_kernels.DTYPES):
         return params
-    if drafter._packed is None or drafter._packed[0] is not params or drafter._packed[1] is not target.params:
-        packed = cpu_kernels.pack_layers(params["layers"])
-        head = pack_draft_head(target.params, target.config, drafter.d2t)
+    dtype = jnp.dtype(dtype or DRAFTER_KERNEL_DTYPE)
+    key = drafter._packed
+    if key is None or key[0] is not params or key[1] is not target.params or key[2] != dtype:
+        packed = cpu_kernels.pack_layers(params["layers"], dtype)
+        head = pack_draft_head(target.params, target.config, drafter.d2t, dtype)
         if head is not None:
             packed["draft_head"] = head
-        drafter._packed = (params, target.params, packed)
-    return dict(params, packed_kernels=drafter._packed[2])
+        drafter._packed = (params, target.params, dtype, packed)
+    return dict(params, packed_kernels=drafter._packed[-1])
 
 
 def compiled(fn, args, static: dict, options: dict | None = None):

@@ -64,7 +64,8 @@ def test_tree_attention_equals_the_reference(head_dim, hq, hkv):
 
 
 def kernel_calls(texts) -> int:
-    return sum(txt.count('"hsd_stacked_matmul_packed"') for txt in texts)
+    """Matmul kernel calls (f32 and bf16 weights) in compiled programs' text."""
+    return sum(txt.count('"hsd_stacked_matmul_packed') for txt in texts)
 
 
 @built
@@ -98,6 +99,13 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
     packed = api.serving_drafter_params(d, t)["packed_kernels"]
     assert {"q_proj", "mlp/down_proj", "draft_head"} <= set(packed)
     assert packed["draft_head"].shape == (1, len(d.d2t) // cpu_kernels.COLS, 64, cpu_kernels.COLS)
+    # drafts in bf16 by default (half the bytes; acceptance, never the output, may move), f32 on request
+    assert {a.dtype for a in packed.values()} == {jnp.dtype(api.DRAFTER_KERNEL_DTYPE)} == {jnp.dtype(jnp.bfloat16)}
+    exact = api.serving_drafter_params(d, t, "float32")["packed_kernels"]
+    assert {a.dtype for a in exact.values()} == {jnp.dtype(jnp.float32)} and set(exact) == set(packed)
+    with monkeypatch.context() as m:
+        m.setattr(api, "DRAFTER_KERNEL_DTYPE", "float32")
+        assert [r.token_ids for r in generate(t, prompts, max_new_tokens=24, **spec)] == texts["1"][0]
     with monkeypatch.context() as m:
         m.setattr(api, "serving_drafter_params", lambda drafter, target: drafter.params)
         api._COMPILED.clear()

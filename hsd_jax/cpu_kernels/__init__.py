@@ -146,17 +146,17 @@ def pack_head_screen(embedding) -> np.ndarray:
     return pack_head(np.asarray(embedding, np.float32).T, jnp.bfloat16)
 
 
-def pack_layers(layers: dict) -> dict:
+def pack_layers(layers: dict, dtype=None) -> dict:
     """{"q_proj": [L, f/32, d, 32], "mlp/gate_proj": ...}: every f32 or bf16 Dense kernel of the
-    stacked layer params whose output width is a multiple of COLS, packed in its own dtype (the
-    others keep XLA's dot)."""
+    stacked layer params whose output width is a multiple of COLS, packed in its own dtype or in
+    `dtype` (the others keep XLA's dot)."""
     out = {}
 
     def visit(tree, path):
         for name, sub in tree.items():
             if (name == "kernel" and getattr(sub, "ndim", 0) == 3 and sub.dtype in DTYPES
                     and sub.shape[2] % COLS == 0):
-                out["/".join(path)] = jnp.asarray(pack(sub, sub.dtype))
+                out["/".join(path)] = jnp.asarray(pack(sub, dtype or sub.dtype))
             elif isinstance(sub, dict):
                 visit(sub, path + (name,))
 

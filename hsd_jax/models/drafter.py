@@ -122,13 +122,13 @@ def target_view(target_params, target_cfg: ModelConfig, d2t, packed_head=None) -
                       target_params["embed_tokens"]["embedding"], d2t, packed_head)
 
 
-def pack_draft_head(target_params, target_cfg: ModelConfig, d2t) -> jax.Array | None:
-    """The draft-vocab head [d, V_d] packed for `cpu_kernels.stacked_matmul` (f32, exact), or None
-    when V_d is not a whole number of the kernel's column tiles."""
+def pack_draft_head(target_params, target_cfg: ModelConfig, d2t, dtype=jnp.float32) -> jax.Array | None:
+    """The draft-vocab head [d, V_d] packed for `cpu_kernels.stacked_matmul` in `dtype` (f32:
+    exact), or None when V_d is not a whole number of the kernel's column tiles."""
     if len(d2t) % cpu_kernels.COLS:
         return None
-    head = np.asarray(llama.lm_head_weight(target_params, target_cfg))
-    return jnp.asarray(cpu_kernels.pack(head[:, np.asarray(d2t)][None]))
+    head = np.asarray(llama.lm_head_weight(target_params, target_cfg).astype(jnp.float32))
+    return jnp.asarray(cpu_kernels.pack(head[:, np.asarray(d2t)][None], dtype))
 
 
 def draft_logits(view: TargetView, h: jax.Array) -> jax.Array:
@@ -234,4 +234,4 @@ class Drafter:
     config: Any
     d2t: np.ndarray | None = None
     path: str | None = None
-    _packed: Any = dataclasses.field(default=None, repr=False, compare=False)   # (params, target params, packed copies)
+    _packed: Any = dataclasses.field(default=None, repr=False, compare=False)   # (params, target params, dtype, packed copies)
