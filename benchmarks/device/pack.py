@@ -289,17 +289,28 @@ def _drafters(args, target) -> dict:
     return out
 
 
+def _bench_tree(sizes) -> dict:
+    """The benchmarked tree as generate's options (`Sizes.bench_tree`)."""
+    nodes, depth, top_k = sizes.bench_tree
+    return dict(tree_nodes=nodes, tree_depth=depth, tree_top_k=top_k)
+
+
+def _mt_bench_setup(args, num_prompts: int) -> tuple:
+    """(target, drafters, token ids of the first `num_prompts` MT-bench prompts as chat) for a part."""
+    from hsd_jax.prompts import load_suite
+
+    target = load_target(args)
+    drafters = _drafters(args, target)
+    return target, drafters, [target.encode(p, chat=True) for p in load_suite("mt_bench", num_prompts)]
+
+
 def part_bench(args, deadline: float) -> dict:
     """MT-bench side by side, batch 8 then batch 1 (time-boxed: each covers the prompts it reached)."""
     from hsd_jax.bench import format_table, machine_info, make_runner, method_spec, plot, run_bench
-    from hsd_jax.prompts import load_suite
 
     s = args.sizes
-    target = load_target(args)
-    drafters = _drafters(args, target)
-    ids = [target.encode(p, chat=True) for p in load_suite("mt_bench", s.bench_prompts)]
-    nodes, depth, top_k = s.bench_tree
-    tree = dict(tree_nodes=nodes, tree_depth=depth, tree_top_k=top_k)
+    target, drafters, ids = _mt_bench_setup(args, s.bench_prompts)
+    tree = _bench_tree(s)
     out = {"tree": tree, "drafters": {k: v[1] for k, v in drafters.items()}, "machine": machine_info(),
            "dtype": target.config.dtype}
     t0 = time.time()
@@ -496,9 +507,8 @@ def part_scale(args, deadline: float) -> dict:
     from hsd_jax.models import llama
 
     s = args.sizes
-    nodes, depth, top_k = s.bench_tree
-    tree = dict(tree_nodes=nodes, tree_depth=depth, tree_top_k=top_k)
-    width = nodes + 1
+    tree = _bench_tree(s)
+    width = tree["tree_nodes"] + 1
     taus = _smollm2_tau(args)
     out = {"model": "speedup = tau x t_ar / t_round; t_round = t_verify(N) + t_draft + t_overhead, one round of "
                     "the method's decode loop timed whole; t_overhead = a lookup round at the same N (no drafter: a "
@@ -612,14 +622,10 @@ def part_exact(args, deadline: float) -> dict:
     from hsd_jax import generate
     from hsd_jax.bench import method_spec, prefix_match
     from hsd_jax.methods import REGISTRY
-    from hsd_jax.prompts import load_suite
 
     s = args.sizes
-    target = load_target(args)
-    drafters = _drafters(args, target)
-    ids = [target.encode(p, chat=True) for p in load_suite("mt_bench", s.exact_prompts)]
-    nodes, depth, top_k = s.bench_tree
-    tree = dict(tree_nodes=nodes, tree_depth=depth, tree_top_k=top_k)
+    target, drafters, ids = _mt_bench_setup(args, s.exact_prompts)
+    tree = _bench_tree(s)
     out = {"dtype": target.config.dtype, "rows": s.exact_rows, "prompts": len(ids), "new_tokens": s.exact_new_tokens,
            "tree": tree, "drafters": {k: v[1] for k, v in drafters.items()}, "plain": {}, "exact": {}}
 
