@@ -47,13 +47,14 @@ def fingerprint(path: str) -> str:
     return h.hexdigest()[:32]
 
 
-def cache_file(path: str, variant: str = "") -> str:
-    """The cache file of `path`'s float32 params, or (a `variant`) of other arrays derived from them."""
+def cache_file(path: str, variant: str = "", source: str | None = None) -> str:
+    """The cache file of `path`'s float32 params, or (a `variant`) of other arrays derived from them;
+    `source`: `fingerprint(path)` where the caller has it already (it reads the file's samples)."""
     from hsd_jax.tuning import cache_dir
 
     name = os.path.basename(path).replace(".", "_")
     return os.path.join(os.path.dirname(cache_dir()), "weights",
-                        f"{name}-{fingerprint(path)}{'-' + variant if variant else ''}.safetensors")
+                        f"{name}-{source or fingerprint(path)}{'-' + variant if variant else ''}.safetensors")
 
 
 def checksum(arrays: dict) -> str:
@@ -162,7 +163,7 @@ def _read(path: str, variant: str, fits, mapped: bool = False) -> dict | None:
 
     try:
         source = fingerprint(path)
-        target = cache_file(path, variant)
+        target = cache_file(path, variant, source)
     except OSError:
         return None
     if not os.path.isfile(target):
@@ -208,9 +209,10 @@ def _write(path: str, variant: str, flat: dict) -> None:
     dtypes = {k: v.dtype.name for k, v in flat.items() if v.dtype.kind not in "fiub"}
     flat = {k: v.view(f"u{v.dtype.itemsize}") if k in dtypes else v for k, v in flat.items()}
     try:
-        target = cache_file(path, variant)
+        source = fingerprint(path)
+        target = cache_file(path, variant, source)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        meta = {"source": fingerprint(path), "variant": variant, "checksum": checksum(flat), "format": FORMAT,
+        meta = {"source": source, "variant": variant, "checksum": checksum(flat), "format": FORMAT,
                 "dtypes": json.dumps(dtypes)}
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
         os.close(fd)
