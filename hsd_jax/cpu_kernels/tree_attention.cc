@@ -3,8 +3,8 @@
 // S slots (BENCHMARKS.md, "Why the CPU kernels"); this XLA FFI handler
 // reads only the slots a query can see: the committed prefix [0, lengths[b]) and the new tokens
 // [lengths[b], lengths[b] + N) that are its ancestors (or itself) in the draft tree. A chain (N = 1
-// included) is causal attention. One task per (sequence, query head): K and V of its kv head are
-// streamed once for all N rows. A row that is not its own ancestor is skipped and outputs 0 (a verify
+// included) is causal attention. One task per (sequence, kv head): its K and V are streamed once for the N rows
+// of every query head that shares them (grouped-query attention: N x group rows). A row that is not its own ancestor is skipped and outputs 0 (a verify
 // narrower than its static shape). The cache is f32, or bf16 (a bf16 model's) widened exactly in registers;
 // q, scores, softmax and sums are f32 either way.
 #include <algorithm>
@@ -108,7 +108,8 @@ static inline v16 Reduce16(const v16* acc) {
 #endif
 }
 
-// out[n, dh] (dh = 16 VECS) for query rows q[n, dh] of one query head over its kv head's K, V [s, dh]: scores
+// out[reps * n, dh] (dh = 16 VECS) for the query rows q[reps * n, dh] of the `reps` query heads (n tree rows each,
+// row r being tree row r % n) that share one kv head's K, V [s, dh]: scores
 // of slots [0, end) 16 at a time, hidden ones set to -inf, softmax numerators per row, then the weighted sum of V
 // with 4 rows' outputs in registers. Slots past `end` are never read (the last block re-reads slot end - 1).
 // The denominator is summed slot by slot in that same loop: its visible terms come in slot order wherever the
@@ -120,16 +121,16 @@ struct Scratch {                              // per thread, reused across calls
 };
 
 template <int VECS, typename T>
-static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int64_t n, int64_t len,
+static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int64_t n, int64_t reps, int64_t len,
                  int64_t end, float scale, float* out, Scratch& scratch) {
   constexpr int64_t dh = 16 * VECS;
   const int64_t stride = (end + 15) / 16 * 16;
   std::vector<float>& sc = scratch.sc;
   std::vector<int64_t>& live = scratch.live;
-  sc.resize(n * stride);
+  sc.resize(reps * n * stride);
   live.clear();
-  for (int64_t i = 0; i < n; ++i) {
-    if (anc[i * n + i]) {
+  for (int64_t i = 0; i < reps * n; ++i) {
+    if (anc[(i % n) * n + i % n]) {
       live.push_back(i);
     } else {
       std::fill_n(out + i * dh, dh, 0.0f);
@@ -149,7 +150,7 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
       if (j0 + 16 > len) {                    // the block holds new tokens (or slots past end): hide the others
         for (int jj = 0; jj < 16; ++jj) {
           const int64_t j = j0 + jj;
-          if (j >= end || (j >= len && !anc[i * n + (j - len)])) scores[jj] = -kInf;
+          if (j >= end || (j >= len && !anc[(i % n) * n + (j - len)])) scores[jj] = -kInf;
         }
       }
       __builtin_memcpy(sc.data() + i * stride + j0, &scores, sizeof(v16));
@@ -196,8 +197,8 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
 }
 
 template <typename T>
-using HeadFn = void (*)(const float*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, float, float*,
-                        Scratch&);
+using HeadFn = void (*)(const float*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, float,
+                        float*, Scratch&);
 template <typename T>
 static constexpr HeadFn<T> kHeads[] = {Head<1, T>, Head<2, T>, Head<3, T>, Head<4, T>,
                                        Head<5, T>, Head<6, T>, Head<7, T>, Head<8, T>};
@@ -224,14 +225,15 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const int32_t* lens = lengths.typed_data();
   const int32_t* anc = ancestors.typed_data();
   float* O = out->typed_data();
-  const int64_t tasks = b * hq;
+  // the query heads of kv head kvh are kvh * group ... + group - 1: their [group, N, Dh] rows are contiguous in q and out
+  const int64_t tasks = b * hkv;
   const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), tasks) - 1);
   ParallelFor(pool, tasks, helpers, [&](int64_t t) {
     thread_local Scratch sc;
-    const int64_t bi = t / hq, h = t % hq, kvh = h / group;
+    const int64_t bi = t / hkv;
     const int64_t len = std::clamp<int64_t>(lens[bi], 0, s), end = std::min<int64_t>(len + n, s);
-    const int64_t kv = (bi * hkv + kvh) * s * dh;
-    kHeads<T>[dh / 16 - 1](Q + t * n * dh, Kl + kv, Vl + kv, anc + bi * n * n, n, len, end, scale, O + t * n * dh, sc);
+    const int64_t kv = t * s * dh, rows = t * group * n * dh;
+    kHeads<T>[dh / 16 - 1](Q + rows, Kl + kv, Vl + kv, anc + bi * n * n, n, group, len, end, scale, O + rows, sc);
   });
   return ffi::Error::Success();
 }
