@@ -3,10 +3,10 @@
 // S slots (BENCHMARKS.md, "Why the CPU kernels"); this XLA FFI handler
 // reads only the slots a query can see: the committed prefix [0, lengths[b]) and the new tokens
 // [lengths[b], lengths[b] + N) that are its ancestors (or itself) in the draft tree. A chain (N = 1
-// included) is causal attention. One task per (sequence, kv head): its K and V are streamed once for the N rows
-// of every query head that shares them (grouped-query attention: N x group rows). A row that is not its own ancestor is skipped and outputs 0 (a verify
-// narrower than its static shape). The cache is f32, or bf16 (a bf16 model's) widened exactly in registers;
-// q, scores, softmax and sums are f32 either way.
+// included) is causal attention. One task per sequence and query head, or, for a few rows, per kv head: its K and V
+// streamed once for the N rows of every query head that shares them (grouped-query attention). A row that is not
+// its own ancestor is skipped and outputs 0 (a verify narrower than its static shape). The cache is f32, or bf16
+// (a bf16 model's) widened exactly in registers; q, scores, softmax and sums are f32 either way.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -203,6 +203,7 @@ template <typename T>
 static constexpr HeadFn<T> kHeads[] = {Head<1, T>, Head<2, T>, Head<3, T>, Head<4, T>,
                                        Head<5, T>, Head<6, T>, Head<7, T>, Head<8, T>};
 constexpr int64_t kMaxHeadDim = 128;
+constexpr int64_t kGroupRows = 8;   // a task's rows when it takes a whole kv group (below)
 
 // T: the cache's element type (float, or bf16 as uint16 bits widened exactly); q and out are f32
 template <ffi::DataType kKV, typename T>
@@ -225,15 +226,24 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const int32_t* lens = lengths.typed_data();
   const int32_t* anc = ancestors.typed_data();
   float* O = out->typed_data();
-  // the query heads of kv head kvh are kvh * group ... + group - 1: their [group, N, Dh] rows are contiguous in q and out
-  const int64_t tasks = b * hkv;
+  // A task takes `reps` query heads of one kv head (contiguous in q and out: [reps, N, Dh] rows), streaming its K/V
+  // once for all of them: the whole group while that is at most kGroupRows rows (a decode step: memory-bound, each
+  // K/V read once, not once per query head); one head each for wider verifies (compute-bound: more tasks to share
+  // the threads; each head's K/V reads hit the cache its group-mates warmed).
+  int64_t reps = 1;
+  for (int64_t r = group; r > 1; --r)
+    if (group % r == 0 && r * n <= kGroupRows) {
+      reps = r;
+      break;
+    }
+  const int64_t tasks = b * hq / reps;
   const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), tasks) - 1);
   ParallelFor(pool, tasks, helpers, [&](int64_t t) {
     thread_local Scratch sc;
-    const int64_t bi = t / hkv;
+    const int64_t bi = t * reps / hq, kvh = (t * reps % hq) / group;
     const int64_t len = std::clamp<int64_t>(lens[bi], 0, s), end = std::min<int64_t>(len + n, s);
-    const int64_t kv = t * s * dh, rows = t * group * n * dh;
-    kHeads<T>[dh / 16 - 1](Q + rows, Kl + kv, Vl + kv, anc + bi * n * n, n, group, len, end, scale, O + rows, sc);
+    const int64_t kv = (bi * hkv + kvh) * s * dh, rows = t * reps * n * dh;
+    kHeads<T>[dh / 16 - 1](Q + rows, Kl + kv, Vl + kv, anc + bi * n * n, n, reps, len, end, scale, O + rows, sc);
   });
   return ffi::Error::Success();
 }
