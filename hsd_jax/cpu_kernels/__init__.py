@@ -147,6 +147,15 @@ def prebuild() -> None:
             pass
 
 
+def wait_for_build() -> None:
+    """Let a build `prebuild` started finish, whether or not anything used it (before a process
+    ends without its teardown, which would leave the compilers' temporary folder behind)."""
+    if _pending_build.cache_info().currsize:
+        build = _pending_build()
+        if build is not None:
+            concurrent.futures.wait([build])
+
+
 @functools.cache
 def _registered() -> bool:
     """Build (once per machine; or wait for `prebuild`'s build) and register the kernel; False,
