@@ -106,13 +106,16 @@ def unflatten(flat: dict) -> dict:
     return tree
 
 
-def load(path: str, expected: dict) -> dict | None:
+def load(path: str, expected: dict, mapped: bool = False) -> dict | None:
     """The cached param tree of `path` if a valid one exists (names and shapes as `expected`:
-    flat name -> shape), else None (a stale or corrupt file is removed)."""
+    flat name -> shape), else None (a stale or corrupt file is removed): numpy arrays read into
+    memory, or (`mapped`) CPU JAX arrays over the file's mapped pages (`load_derived`'s: no copy)."""
     flat = _read(path, "", lambda flat: (
         {k: tuple(v.shape) for k, v in flat.items()} == {k: tuple(s) for k, s in expected.items()}
-        and all(v.dtype == np.float32 for v in flat.values())))
-    return None if flat is None else unflatten(flat)
+        and all(v.dtype == np.float32 for v in flat.values())), mapped=mapped)
+    if flat is None:
+        return None
+    return unflatten({k: _shared(v) for k, v in flat.items()} if mapped else flat)
 
 
 def store(path: str, params: dict) -> None:
