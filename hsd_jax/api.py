@@ -80,6 +80,7 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
     if int(max_cache_len) <= 0:
         raise ConfigError(f"max_cache_len must be positive, got {max_cache_len}")
     compilation.enable()
+    cpu_kernels.prebuild()   # a first process compiles the kernels while the weights load
     overrides = dict(dtype=dtype or default_dtype(), attention_impl=attention_impl,
                      feature_layers=tuple(feature_layers))
     path = model_path(model)
@@ -402,6 +403,32 @@ def _restore_params(path: str):
     raise ModelLoadError(f"{path}: damaged Orbax checkpoint: {failure}")
 
 
+ORBAX_CACHE_VARIANT = "orbax"
+
+
+def _restore_cached(path: str, compute):
+    """`_restore_params`; on the CPU backend read from the weights cache when an earlier load left a
+    valid copy of the checkpoint's arrays there (no Orbax import or restore: ~0.5 s of a short
+    command), their floats widened to `compute` on the host (as `load_drafter` would on the device:
+    the same values), else restored and copied there. Only a tree of arrays in nested dicts (a Flax
+    params tree) is cached."""
+    from hsd_jax.loading import weights_cache
+
+    cached = jax.default_backend() == "cpu" and os.path.isdir(path)
+    if cached:
+        flat = weights_cache.load_host(path, ORBAX_CACHE_VARIANT)
+        if flat is not None:
+            dev = jax.local_devices()[0]
+            return weights_cache.unflatten({k: jax.device_put(v.astype(compute) if jnp.issubdtype(v.dtype, jnp.floating)
+                                                              else v, dev) for k, v in flat.items()})
+    params = _restore_params(path)
+    flat = weights_cache.flatten(params) if isinstance(params, dict) else {}
+    if (cached and flat and all(isinstance(v, jax.Array) for v in flat.values())
+            and jax.tree.structure(weights_cache.unflatten(flat)) == jax.tree.structure(params)):
+        weights_cache.store_derived(path, ORBAX_CACHE_VARIANT, {k: np.asarray(v) for k, v in flat.items()})
+    return params
+
+
 def _outside_running_loop(fn):
     """fn(), in a worker thread if this thread is running an event loop."""
     try:
@@ -517,7 +544,8 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
         _, d2t_path, params_path = _drafter_paths(path)
         cfg = _drafter_config(path, _drafter_info(path, kind), dk.config, **config)
         d2t = read_npy(d2t_path) if dk.has_draft_vocab and os.path.isfile(d2t_path) else None
-        params = {} if dk.built_in and not os.path.exists(params_path) else _restore_params(params_path)
+        params = ({} if dk.built_in and not os.path.exists(params_path)
+                  else _restore_cached(params_path, jnp_dtype(target.config)))
     else:
         params, cfg, d2t = dk.random(target, seed, **config)
     compute = jnp_dtype(target.config)  # drafters compute in the target's dtype

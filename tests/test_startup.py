@@ -229,3 +229,33 @@ def test_the_packed_kernel_weights_are_cached_verified_and_rebuilt(tmp_path, mon
     t.params = jax.tree.map(lambda a: a * 2, t.params)
     doubled = api.serving_params(t)["packed_kernels"]
     assert len(packs) == 5 and np.allclose(np.asarray(doubled["q_proj"]), 2 * np.asarray(want["q_proj"]))
+
+
+def test_a_drafter_checkpoint_is_read_back_from_the_weights_cache_without_orbax(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSD_JAX_CACHE", str(tmp_path / "cache"))
+    target = tiny_target()
+    path = str(tmp_path / "drafter")
+    api.save_drafter(load_drafter("hsd", target=target, random_init=True), path)
+    params_path = os.path.join(path, "params")
+    want = load_drafter("hsd", path, target=target).params          # restored by Orbax, then cached
+    cached = weights_cache.cache_file(params_path, api.ORBAX_CACHE_VARIANT)
+    assert os.path.isfile(cached)
+
+    def same(params):
+        return (jax.tree.structure(params) == jax.tree.structure(want)
+                and all(a.dtype == b.dtype and a.sharding == b.sharding and np.array_equal(a, b)
+                        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want))))
+
+    restore = api._restore_params
+    monkeypatch.setattr(api, "_restore_params", lambda p: pytest.fail("restored by Orbax despite the cache"))
+    assert same(load_drafter("hsd", path, target=target).params)
+    monkeypatch.setattr(api, "_restore_params", restore)
+    with open(cached, "r+b") as f:                                  # flip bytes inside a tensor
+        f.seek(os.path.getsize(cached) - 100)
+        f.write(b"\x7f" * 16)
+    with pytest.warns(UserWarning, match="stale or corrupt"):
+        assert same(load_drafter("hsd", path, target=target).params)
+    assert os.path.isfile(cached)                                   # rebuilt
+    ckpt_file = next(os.path.join(d, f) for d, _, fs in os.walk(params_path) for f in fs)
+    os.utime(ckpt_file, ns=(1, 1))                                  # the checkpoint changed: a new key
+    assert weights_cache.cache_file(params_path, api.ORBAX_CACHE_VARIANT) != cached

@@ -26,11 +26,14 @@ handler also takes bf16 weights (widened exactly in registers): the greedy head'
 screen (`llama.screened_argmax`) streams a packed bf16 copy of the embedding with it.
 
 Built on first use with the system C++ compiler against the running jaxlib's FFI headers (so
-the binary always matches the installed jaxlib and this CPU), cached in the user cache folder.
-No compiler, a failed build or `HSD_CPU_KERNELS=0`: XLA's dots, with one warning.
+the binary always matches the installed jaxlib and this CPU), cached in the user cache folder:
+one compiler process per source file, at once, then a link; `prebuild()` (called by
+`api.load_target`) starts that in the background so a first process's build overlaps its model
+load. No compiler, a failed build or `HSD_CPU_KERNELS=0`: XLA's dots, with one warning.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -53,7 +56,7 @@ HEADERS = (os.path.join(os.path.dirname(__file__), "parallel.h"),)
 TARGETS = {"hsd_stacked_matmul_packed": "StackedMatmulPacked", "hsd_stacked_matmul_packed_bf16": "StackedMatmulPackedBF16",
            "hsd_tree_attention": "TreeAttention", "hsd_tree_attention_bf16": "TreeAttentionBF16"}
 DTYPES = (jnp.float32, jnp.bfloat16)   # the weight and cache dtypes the kernels read
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC")   # each source's compile; linked with -shared
 
 
 def _cache_dir() -> str:
@@ -78,33 +81,90 @@ def _library_path() -> str:
     import jaxlib
 
     source = b"".join(open(path, "rb").read() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + repr((jaxlib.__version__, FLAGS, platform.machine(),
+    key = hashlib.sha256(source + repr((jaxlib.__version__, FLAGS, "-shared", platform.machine(),
                                         _cpu_id())).encode()).hexdigest()[:16]
     return os.path.join(_cache_dir(), f"hsd_kernels-{key}.so")
 
 
 def _build(out: str) -> None:
+    """Compile every source to an object file, all at once (one compiler process each), then link
+    them into the shared library `out`."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (g++ / c++ / $CXX)")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
+        objects = [os.path.join(tmp, f"{i}.o") for i in range(len(SOURCES))]
+        procs = [subprocess.Popen([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", src, "-o", obj],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for src, obj in zip(SOURCES, objects)]
+        errors = [_finish(proc) for proc in procs]
+        if any(errors):
+            raise RuntimeError(f"{compiler} failed: {next(e for e in errors if e)[-800:]}")
         part = os.path.join(tmp, "kernel.so")
-        proc = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *SOURCES, "-o", part],
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-800:]}")
+        link = subprocess.run([compiler, "-shared", *objects, "-o", part], capture_output=True, text=True, timeout=300)
+        if link.returncode != 0:
+            raise RuntimeError(f"{compiler} failed to link: {link.stderr.strip()[-800:]}")
         os.replace(part, out)       # atomic: processes building at once all end with a whole file
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    """Wait for a compiler process: '' when it succeeded, else its error output."""
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return "timed out after 300 s"
+    return "" if proc.returncode == 0 else err.strip() or f"exit status {proc.returncode}"
+
+
+@functools.cache
+def _pending_build() -> concurrent.futures.Future | None:
+    """The library's build, started in a background thread when it is not in the cache yet (once
+    per process); None when it is there already."""
+    path = _library_path()
+    if os.path.exists(path):
+        return None
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsd-kernel-build")
+    build = pool.submit(_build, path)
+    pool.shutdown(wait=False)
+    return build
+
+
+def _wanted() -> bool:
+    return os.environ.get("HSD_CPU_KERNELS", "1") != "0" and jax.default_backend() == "cpu"
+
+
+def prebuild() -> None:
+    """Start building the kernel library in the background if this process will want it and the
+    cache lacks it, so the compiler runs while the model loads; `enabled()` waits for it. A failure
+    is reported there (never here)."""
+    if _wanted():
+        try:
+            _pending_build()
+        except Exception:  # noqa: BLE001 - e.g. an unreadable source: `_registered` reports it
+            pass
+
+
+def wait_for_build() -> None:
+    """Let a build `prebuild` started finish, whether or not anything used it (before a process
+    ends without its teardown, which would leave the compilers' temporary folder behind)."""
+    if _pending_build.cache_info().currsize:
+        build = _pending_build()
+        if build is not None:
+            concurrent.futures.wait([build])
 
 
 @functools.cache
 def _registered() -> bool:
-    """Build (once per machine) and register the kernel; False, with a warning, when that fails."""
+    """Build (once per machine; or wait for `prebuild`'s build) and register the kernel; False,
+    with a warning, when that fails."""
     try:
-        path = _library_path()
-        if not os.path.exists(path):
-            _build(path)
-        lib = ctypes.cdll.LoadLibrary(path)
+        build = _pending_build()
+        if build is not None:
+            build.result()
+        lib = ctypes.cdll.LoadLibrary(_library_path())
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         return True
@@ -115,8 +175,7 @@ def _registered() -> bool:
 
 def enabled() -> bool:
     """Whether serving on this process may use the kernel: CPU backend, not disabled, built."""
-    return (os.environ.get("HSD_CPU_KERNELS", "1") != "0" and jax.default_backend() == "cpu"
-            and _registered())
+    return _wanted() and _registered()
 
 
 # bf16 tiles store columns 0, 16, 1, 17, ..., 15, 31: the kernel widens each 32-bit pair with a shift and a mask

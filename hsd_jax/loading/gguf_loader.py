@@ -115,11 +115,19 @@ def load_gguf(path: str, host: bool = False, **overrides) -> tuple[ModelConfig, 
     from the user's weights cache when an earlier load left a valid copy there (`weights_cache`)."""
     gf = read_gguf(path)
     cfg = gguf_config(gf, path, **overrides)
-    f32 = weights_cache.load(path, param_shapes(cfg))
+    dtype = jnp_dtype(cfg)
+    # an f32 model on the CPU uses the cache file's mapped pages as they are (no two copies of 0.5 GB);
+    # fresh params are committed to the CPU alike, so both lower to the same programs
+    mapped = not host and dtype == jnp.float32 and jax.default_backend() == "cpu"
+    f32 = weights_cache.load(path, param_shapes(cfg), mapped=mapped)
+    if f32 is not None and mapped:
+        return cfg, f32
     if f32 is None:
         f32 = _dequantized_params(gf, cfg.replace(dtype="float32"), path)
         weights_cache.store(path, f32)
-    dtype = jnp_dtype(cfg)
+    if mapped:
+        cpu = jax.devices("cpu")[0]
+        return cfg, jax.tree.map(lambda a: jax.device_put(np.asarray(a, np.float32), cpu), f32)
     cast = (lambda a: np.asarray(a, dtype)) if host else (lambda a: jnp.asarray(a, dtype))
     return cfg, jax.tree.map(cast, f32)
 

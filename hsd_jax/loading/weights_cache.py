@@ -9,7 +9,9 @@ that fingerprint and a checksum of every tensor's bytes (a wrapping 64-bit sum: 
 tens of milliseconds). A file whose header, fingerprint, names, shapes or checksum disagree is
 stale or corrupt: it is deleted and rebuilt from the source. Arrays derived from those weights
 (the CPU kernels' packed copies: `api.serving_params`) are kept beside them under the same rules,
-in files named by the same fingerprint and a variant naming what else they depend on.
+in files named by the same fingerprint and a variant naming what else they depend on; so are the
+arrays of a drafter's Orbax checkpoint (`api.load_drafter`: a folder, fingerprinted file by file),
+read back without importing Orbax.
 `HSD_JAX_WEIGHTS_CACHE=0` turns the cache off. Read with `safetensors` (no pickle); written to a
 temporary file then renamed, so a concurrent reader never sees half a file.
 """
@@ -37,14 +39,28 @@ def disabled() -> bool:
 
 
 def fingerprint(path: str) -> str:
-    """A fast hash of a file: its size, mtime and SAMPLES blocks spread over it."""
+    """A fast hash of a file: its size, mtime and SAMPLES blocks spread over it; of a folder (an
+    Orbax checkpoint): that of every file in it, with their relative paths."""
+    h = hashlib.sha256(FORMAT.encode())
+    if os.path.isdir(path):
+        for folder, dirs, files in sorted(os.walk(path)):
+            dirs.sort()
+            for name in sorted(files):
+                full = os.path.join(folder, name)
+                h.update(f":{os.path.relpath(full, path)}".encode())
+                _digest(h, full)
+    else:
+        _digest(h, path)
+    return h.hexdigest()[:32]
+
+
+def _digest(h, path: str) -> None:
     st = os.stat(path)
-    h = hashlib.sha256(f"{FORMAT}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(f":{st.st_size}:{st.st_mtime_ns}".encode())
     with open(path, "rb") as f:
         for i in range(SAMPLES):
             f.seek(max(0, (st.st_size - SAMPLE_BYTES) * i // max(SAMPLES - 1, 1)))
             h.update(f.read(SAMPLE_BYTES))
-    return h.hexdigest()[:32]
 
 
 def cache_file(path: str, variant: str = "", source: str | None = None) -> str:
@@ -90,13 +106,16 @@ def unflatten(flat: dict) -> dict:
     return tree
 
 
-def load(path: str, expected: dict) -> dict | None:
+def load(path: str, expected: dict, mapped: bool = False) -> dict | None:
     """The cached param tree of `path` if a valid one exists (names and shapes as `expected`:
-    flat name -> shape), else None (a stale or corrupt file is removed)."""
+    flat name -> shape), else None (a stale or corrupt file is removed): numpy arrays read into
+    memory, or (`mapped`) CPU JAX arrays over the file's mapped pages (`load_derived`'s: no copy)."""
     flat = _read(path, "", lambda flat: (
         {k: tuple(v.shape) for k, v in flat.items()} == {k: tuple(s) for k, s in expected.items()}
-        and all(v.dtype == np.float32 for v in flat.values())))
-    return None if flat is None else unflatten(flat)
+        and all(v.dtype == np.float32 for v in flat.values())), mapped=mapped)
+    if flat is None:
+        return None
+    return unflatten({k: _shared(v) for k, v in flat.items()} if mapped else flat)
 
 
 def store(path: str, params: dict) -> None:
@@ -111,6 +130,12 @@ def load_derived(path: str, variant: str) -> dict | None:
     the file's mapped pages (DLPack: no copy); else None."""
     flat = _read(path, variant, lambda flat: True, mapped=True)
     return None if flat is None else {k: _shared(v) for k, v in flat.items()}
+
+
+def load_host(path: str, variant: str) -> dict | None:
+    """Flat arrays stored by `store_derived` under `variant`, read into host memory (numpy, their
+    dtypes restored), if a valid file exists; else None."""
+    return _read(path, variant, lambda flat: True)
 
 
 def _shared(a: np.ndarray):

@@ -127,8 +127,12 @@ def pack_draft_head(target_params, target_cfg: ModelConfig, d2t, dtype=jnp.float
     exact), or None when V_d is not a whole number of the kernel's column tiles."""
     if len(d2t) % cpu_kernels.COLS:
         return None
-    head = np.asarray(llama.lm_head_weight(target_params, target_cfg).astype(jnp.float32))
-    return jnp.asarray(cpu_kernels.pack(head[:, np.asarray(d2t)][None], dtype))
+    ids = np.asarray(d2t)
+    if target_cfg.tie_word_embeddings:   # the draft vocabulary's rows, then transposed: not the whole [d, V]
+        head = np.asarray(target_params["embed_tokens"]["embedding"])[ids].T
+    else:
+        head = np.asarray(target_params["lm_head"]["kernel"])[:, ids]
+    return jnp.asarray(cpu_kernels.pack(head.astype(np.float32)[None], dtype))
 
 
 def draft_logits(view: TargetView, h: jax.Array) -> jax.Array:
