@@ -32,6 +32,7 @@ No compiler, a failed build or `HSD_CPU_KERNELS=0`: XLA's dots, with one warning
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -84,17 +85,27 @@ def _library_path() -> str:
 
 
 def _build(out: str) -> None:
+    """Compile the kernel to `out`, once however many processes ask at the same time: each takes a
+    file lock first, and one that finds `out` built while it waited uses that (a build is ~10 s of a
+    core; pytest workers and their subprocesses all start by asking)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (g++ / c++ / $CXX)")
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)    # released when the file closes, or when this process dies
+        if not os.path.exists(out):
+            _compile(compiler, out)
+
+
+def _compile(compiler: str, out: str) -> None:
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
         part = os.path.join(tmp, "kernel.so")
         proc = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *SOURCES, "-o", part],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-800:]}")
-        os.replace(part, out)       # atomic: processes building at once all end with a whole file
+        os.replace(part, out)       # atomic: a reader never sees half a file
 
 
 @functools.cache
