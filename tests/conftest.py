@@ -37,16 +37,28 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
-# Modules longest first (seconds on 2 cores, 2026-12-02; the first three run subprocesses from
-# module fixtures): under `pytest -n 2 --dist loadfile --no-loadscope-reorder` (README) each worker
-# takes the next module when it is free, so the short ones fill in at the end and neither worker
-# is left running a long module alone (the longest-first rule). Modules not listed run last.
-LONG_MODULES = ("test_device_pack.py", "test_sharding.py", "test_speculative.py", "test_training.py",
-                "test_compile.py", "test_qwen3.py", "test_multihost.py", "test_notebooks.py",
-                "test_shipped_drafters.py", "test_eagle3.py", "test_model_parity.py", "test_tree.py",
-                "test_speculative_smollm2.py", "test_generate.py", "test_cpu_kernels.py", "test_bench.py", "test_exact.py", "test_tune.py",
-                "test_corruption.py", "test_serving_head.py", "test_lookup.py", "test_tree_attention.py",
-                "test_tokenizer.py")
+# Modules longest first (seconds of pytest time in a full run on 2 cores, 2026-12-03, quiet machine;
+# test_device_pack, test_sharding and test_multihost run subprocesses from module fixtures): under
+# `pytest -n 2 --dist loadfile --no-loadscope-reorder` (README) each worker takes the next module when
+# it is nearly done with its own, so the short ones fill in at the end and neither worker is left
+# running a long module alone (the longest-first rule). Modules not listed run last.
+LONG_MODULES = ("test_speculative.py", "test_notebooks.py", "test_training.py", "test_qwen3.py",   # 159 105 102 96
+                "test_device_pack.py", "test_sharding.py", "test_multihost.py", "test_shipped_drafters.py",  # 92 79 65 65
+                "test_compile.py", "test_model_parity.py", "test_tune.py", "test_cpu_kernels.py",  # 64 40 35 33
+                "test_startup.py", "test_speculative_smollm2.py", "test_bench.py", "test_eagle3.py",  # 31 29 27 25
+                "test_lookup.py", "test_serving_head.py", "test_exact.py", "test_tokenizer.py",  # 22 21 17 16
+                "test_tree.py", "test_corruption.py", "test_generate.py", "test_tree_attention.py",  # 13 13 13 9
+                "test_sharded_loading.py", "test_ngram.py", "test_model_attention_impl.py", "test_loading_and_cli.py")
+
+
+def pytest_configure(config):
+    """The controller (or a run without workers) starts building the CPU kernel (~11 s of one core)
+    while the workers start: the workers' collection (test_cpu_kernels asks whether it is built) and
+    every subprocess then wait on its lock (`cpu_kernels._build`) instead of each building it too."""
+    if not hasattr(config, "workerinput"):
+        from hsd_jax import cpu_kernels
+
+        cpu_kernels.prebuild()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -66,14 +78,23 @@ def smol():
 def smol_torch():
     """The same GGUF loaded by transformers' PyTorch implementation: the correctness reference."""
     torch = pytest.importorskip("torch")
+    import functools
+    from unittest import mock
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
     from hsd_jax.loading.gguf_loader import default_gguf_path
 
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)   # a core per xdist worker
     path = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
+    # transformers' GGUF conversion as it is, with two of its pure calls memoised for this load: it
+    # parses the file twice (config, then weights) and builds gguf's tensor-name map once per module
+    # of the model (~12 of this fixture's ~18 s)
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=torch.float32)
     return model.eval()
 
 

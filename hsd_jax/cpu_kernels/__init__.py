@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -87,12 +88,22 @@ def _library_path() -> str:
 
 
 def _build(out: str) -> None:
-    """Compile every source to an object file, all at once (one compiler process each), then link
-    them into the shared library `out`."""
+    """Build the kernel library `out`, once however many processes ask at the same time: each takes
+    a file lock first, and one that finds `out` built while it waited uses that (pytest workers and
+    their subprocesses all start by asking)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (g++ / c++ / $CXX)")
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)    # released when the file closes, or when this process dies
+        if not os.path.exists(out):
+            _compile(compiler, out)
+
+
+def _compile(compiler: str, out: str) -> None:
+    """Compile every source to an object file, all at once (one compiler process each), then link
+    them into `out`."""
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
         objects = [os.path.join(tmp, f"{i}.o") for i in range(len(SOURCES))]
         procs = [subprocess.Popen([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", src, "-o", obj],
@@ -105,7 +116,7 @@ def _build(out: str) -> None:
         link = subprocess.run([compiler, "-shared", *objects, "-o", part], capture_output=True, text=True, timeout=300)
         if link.returncode != 0:
             raise RuntimeError(f"{compiler} failed to link: {link.stderr.strip()[-800:]}")
-        os.replace(part, out)       # atomic: processes building at once all end with a whole file
+        os.replace(part, out)       # atomic: a reader never sees half a file
 
 
 def _finish(proc: subprocess.Popen) -> str:
