@@ -107,7 +107,7 @@ import hsd_jax
 from hsd_jax.train.data import gsm8k_questions, generate_data
 WORK = tempfile.mkdtemp(prefix="hsd_nb_")
 target = hsd_jax.load_target("smollm2-135m", max_cache_len=512)
-N_PROMPTS, MAX_NEW, STEPS = (8, 24, 20) if SMALL else (192, 128, 600)'''),
+N_PROMPTS, MAX_NEW, STEPS = (8, 24, 10) if SMALL else (192, 128, 600)'''),
     ("md", "## Self-distilled data\nThe target writes the answers (greedy), so the drafter learns the target's own distribution. Shards are resumable."),
     ("code", '''questions = gsm8k_questions()[:N_PROMPTS]
 n = generate_data(target, questions, f"{WORK}/data", batch_size=8, max_new_tokens=MAX_NEW)
@@ -116,7 +116,7 @@ print(n, "response tokens")'''),
     ("code", '''from hsd_jax.train.trainer import TrainConfig, train
 cfg = TrainConfig(kind="hsd", data_dir=f"{WORK}/data", out_dir=f"{WORK}/run", steps=STEPS, batch_size=4,
                   window=96 if SMALL else 160, unroll=3, ce_positions=16, draft_vocab_size=2048 if SMALL else 8192,
-                  save_every=10 if SMALL else 100, eval_every=10 if SMALL else 200, holdout_fraction=0.25 if SMALL else 0.05)
+                  save_every=5 if SMALL else 100, eval_every=5 if SMALL else 200, holdout_fraction=0.25 if SMALL else 0.05)
 final = train(cfg, target=target)
 print(json.dumps(final, indent=1))'''),
     ("code", '''import matplotlib.pyplot as plt
