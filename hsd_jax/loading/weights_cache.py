@@ -228,9 +228,9 @@ def _write(path: str, variant: str, flat: dict) -> None:
     """Write flat arrays (those of dtypes safetensors' numpy API lacks, e.g. bfloat16, as unsigned
     integers of their width, their dtype in the header) to a temporary file, then rename it. Process
     0 alone writes (a multi-process run's others only read, like every file the package writes)."""
-    import jax
+    from hsd_jax import distributed
 
-    if disabled() or jax.process_index() != 0:
+    if disabled() or not distributed.is_primary():
         return
     from safetensors.numpy import save_file
 
