@@ -80,7 +80,8 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
     if int(max_cache_len) <= 0:
         raise ConfigError(f"max_cache_len must be positive, got {max_cache_len}")
     compilation.enable()
-    cpu_kernels.prebuild()   # a first process compiles the kernels while the weights load
+    if mesh is None:   # a first process compiles the kernels while the weights load (a mesh run uses none)
+        cpu_kernels.prebuild()
     overrides = dict(dtype=dtype or default_dtype(), attention_impl=attention_impl,
                      feature_layers=tuple(feature_layers))
     path = model_path(model)

@@ -60,7 +60,7 @@ def work_run(model_dir: str, out: str) -> dict:
 
     import numpy as np
 
-    from hsd_jax import distributed, generate, load_drafter, load_target, sharding
+    from hsd_jax import cpu_kernels, distributed, generate, load_drafter, load_target, sharding
     from hsd_jax.bench import make_runner, run_bench, save_result
     from hsd_jax.train.data import generate_data, shard_paths
     from hsd_jax.train.trainer import TrainConfig, train
@@ -97,6 +97,7 @@ def work_run(model_dir: str, out: str) -> dict:
     rep["bench_identical"] = bench["hsd"]["identical_to_ar"]
     save_result({"methods": bench}, f"{out}/bench.json")
     save_tuned({"tree": SPEC, "method": "hsd"}, t, d, folder=f"{out}/tuned")
+    rep["cpu_kernel"] = cpu_kernels.enabled()
     distributed.barrier("done")
     rep["writes"] = sorted(set(writes))
     return rep
@@ -147,7 +148,8 @@ def start(mode: str, args, *, devices: int, process_id: int | None = None, num_p
           port: int | None = None, env_extra: dict | None = None) -> subprocess.Popen:
     from tests.helpers import child_xla_flags
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HSD_")}
+    keep = ("HSD_JAX_CACHE",)   # the suite's private cache, not the user's
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HSD_") or k in keep}
     env.update(XLA_FLAGS=child_xla_flags(devices), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                HSD_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S), HSD_INIT_TIMEOUT_S=str(INIT_S))
@@ -180,7 +182,8 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, dict | None, st
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One single-process 8-device run and one two-process 2x(4 devices) run of `work_run`, side by side."""
+    """One single-process 8-device run and one two-process 2x(4 devices) run of `work_run`, side by side;
+    the two processes on a user cache of their own, empty (no CPU kernel built: they must build none)."""
     from tests.helpers import save_hf_dir, tiny_target
 
     base = tmp_path_factory.mktemp("multihost")
@@ -190,13 +193,14 @@ def runs(tmp_path_factory):
     procs = {"single": start("run", [model_dir, str(base / "single")], devices=8)}
     for i in (0, 1):
         procs[f"p{i}"] = start("run", [model_dir, str(base / "multi")], devices=4, process_id=i, num_processes=2,
-                               port=port)
+                               port=port, env_extra={"HSD_JAX_CACHE": str(base / "multi-cache")})
     out = {}
     for name, proc in procs.items():
         rc, rep, err, _ = finish(proc, timeout=600)
         assert rc == 0, f"{name}: {err[-4000:]}"
         out[name] = rep
-    out["dirs"] = {"single": str(base / "single"), "multi": str(base / "multi")}
+    out["dirs"] = {"single": str(base / "single"), "multi": str(base / "multi"),
+                   "multi_cache": str(base / "multi-cache")}
     return out
 
 
@@ -241,6 +245,11 @@ def test_only_process_0_writes(runs):
     assert any(f.startswith("train/drafter/params") for f in files)
     assert not [f for f in files if "process_1" in f]   # Orbax's per-process files: none from process 1
     assert json.load(open(f"{multi}/bench.json"))["methods"]["hsd"]["identical_to_ar"] is True
+
+
+def test_a_multi_process_run_neither_builds_nor_uses_the_cpu_kernels(runs):
+    assert runs["p0"]["cpu_kernel"] is False and runs["p1"]["cpu_kernel"] is False
+    assert not os.path.exists(os.path.join(runs["dirs"]["multi_cache"], "cpu_kernels"))   # nothing built, nor locked
 
 
 def test_a_killed_process_ends_the_other_with_a_clear_error():

@@ -1,4 +1,5 @@
-"""load_target(mesh=...) puts weights from host memory straight into their shards."""
+"""load_target(mesh=...) puts weights from host memory straight into their shards (and starts no
+CPU kernel build: the kernels serve no mesh)."""
 import json
 import os
 import subprocess
@@ -7,12 +8,15 @@ import sys
 CHILD = r"""
 import json, sys
 import numpy as np
-from hsd_jax import generate, load_target, sharding
+from hsd_jax import cpu_kernels, generate, load_target, sharding
 from tests.helpers import save_hf_dir, tiny_target
 path = sys.argv[1]
+prebuilds, prebuild = [], cpu_kernels.prebuild
+cpu_kernels.prebuild = lambda: prebuilds.append(1) or prebuild()
 save_hf_dir(tiny_target(vocab=64, hidden=32, heads=4, kv_heads=2), path)
 mesh = sharding.make_mesh(data=2, model=2)
 sharded = load_target(path, tokenizer=False, mesh=mesh)
+after_sharded = len(prebuilds)
 plain = load_target(path, tokenizer=False)
 q = sharded.params["layers"]["q_proj"]["kernel"]
 prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
@@ -20,6 +24,7 @@ print(json.dumps({
     "spec": str(q.sharding.spec), "global": list(q.shape),
     "shard_shapes": sorted({tuple(s.data.shape) for s in q.addressable_shards}),
     "devices": len({s.device for s in q.addressable_shards}),
+    "prebuilds": [after_sharded, len(prebuilds)],
     "same": [r.token_ids for r in generate(sharded, prompts, max_new_tokens=12, mesh=mesh)]
             == [r.token_ids for r in generate(plain, prompts, max_new_tokens=12)],
 }))
@@ -38,3 +43,4 @@ def test_load_target_with_mesh_shards_weights(tmp_path):
     assert "model" in out["spec"] and out["devices"] == 4
     assert out["shard_shapes"] == [[2, 32, 16]] and out["global"] == [2, 32, 32]
     assert out["same"] is True
+    assert out["prebuilds"] == [0, 1]

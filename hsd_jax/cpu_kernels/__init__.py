@@ -28,8 +28,9 @@ screen (`llama.screened_argmax`) streams a packed bf16 copy of the embedding wit
 Built on first use with the system C++ compiler against the running jaxlib's FFI headers (so
 the binary always matches the installed jaxlib and this CPU), cached in the user cache folder:
 one compiler process per source file, at once, then a link; `prebuild()` (called by
-`api.load_target`) starts that in the background so a first process's build overlaps its model
-load. No compiler, a failed build or `HSD_CPU_KERNELS=0`: XLA's dots, with one warning.
+`api.load_target` without a mesh) starts that in the background so a first process's build overlaps
+its model load. No compiler, a failed build or `HSD_CPU_KERNELS=0`: XLA's dots, with one warning; a
+multi-process run neither builds nor uses them.
 """
 from __future__ import annotations
 
@@ -144,7 +145,10 @@ def _pending_build() -> concurrent.futures.Future | None:
 
 
 def _wanted() -> bool:
-    return os.environ.get("HSD_CPU_KERNELS", "1") != "0" and jax.default_backend() == "cpu"
+    """The CPU backend, one process (a multi-process run shards every program over a mesh, which the
+    kernels do not serve, and its other processes write no file), not turned off."""
+    return (os.environ.get("HSD_CPU_KERNELS", "1") != "0" and jax.default_backend() == "cpu"
+            and jax.process_count() == 1)
 
 
 def prebuild() -> None:
@@ -185,7 +189,7 @@ def _registered() -> bool:
 
 
 def enabled() -> bool:
-    """Whether serving on this process may use the kernel: CPU backend, not disabled, built."""
+    """Whether serving on this process may use the kernel: CPU backend, one process, not disabled, built."""
     return _wanted() and _registered()
 
 
