@@ -226,10 +226,12 @@ def serving_params(target: Target) -> dict:
     """The target's params for decoding: with the packed layer weights of `hsd_jax.cpu_kernels`
     (built once per Target) when the kernels are enabled, else as loaded. An f32 model adds its
     tied LM head's bf16 screen (`head_screen`), a bf16 model its whole LM head in bf16 (`head`)."""
-    if target.config.dtype not in ("float32", "bfloat16") or not cpu_kernels.enabled():
+    if target.config.dtype not in ("float32", "bfloat16") or not cpu_kernels.wanted():
         return target.params
-    if target._packed is None or target._packed[0] is not target.params:
-        target._packed = (target.params, _packed_target(target))
+    if target._packed is None or target._packed[0] is not target.params:   # packed while a first process's
+        target._packed = (target.params, _packed_target(target))            # kernel build still runs
+    if not cpu_kernels.enabled():
+        return target.params
     return dict(target.params, packed_kernels=target._packed[1])
 
 
