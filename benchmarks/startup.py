@@ -5,17 +5,21 @@ MT-bench prompts (chat template) of different lengths, each generated once per m
 interleaved per prompt. Prints per call: prompt tokens, wall seconds, prefill + decode seconds,
 their ratio, compile seconds, and the number of decode-loop compilations per method (XLA's
 backend-compile events). `--cli` instead times two `hsd generate` processes back to back (the
-second finds the first's compiled programs and weights in the user cache).
+second finds the first's compiled programs and weights in the user cache; `--fresh-cache`: a new,
+empty one, so the first process is a first run on a new machine).
 
     python benchmarks/startup.py [--methods ar,hsd] [--max-new-tokens 64] [--warmup]
-    python benchmarks/startup.py --cli [--method hsd]
+    python benchmarks/startup.py --cli [--method hsd] [--fresh-cache]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -59,17 +63,22 @@ def in_process(methods: list[str], max_new_tokens: int, warmup: bool) -> dict:
             "prefill_compiles": {n: names.count(n) for n in ("jit(ar_prefill)", "jit(spec_prefill)")}}
 
 
-def two_processes(method: str, max_new_tokens: int) -> dict:
+def two_processes(method: str, max_new_tokens: int, fresh_cache: bool) -> dict:
+    env = dict(os.environ)
+    if fresh_cache:   # the first process finds nothing: it builds the kernels, caches the weights, compiles
+        env["HSD_JAX_CACHE"] = tempfile.mkdtemp(prefix="hsd-startup-")
     out = {}
     for i, prompt in enumerate(("Give me three tips for learning a new language.",
                                 "Write a short poem about the sea.")):
         cmd = [sys.executable, "-m", "hsd_jax", "generate", "--model", "smollm2-135m", "--method", method, "--chat",
                "--prompt", prompt, "--max-new-tokens", str(max_new_tokens), "--verbose"]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         out[f"process_{i + 1}"] = {"wall_s": round(time.perf_counter() - t0, 2), "returncode": proc.returncode,
                                    "verbose": [ln for ln in proc.stderr.splitlines() if ln.startswith("[")]}
         print(json.dumps(out[f"process_{i + 1}"]), flush=True)
+    if fresh_cache:
+        shutil.rmtree(env["HSD_JAX_CACHE"], ignore_errors=True)
     return out
 
 
@@ -80,9 +89,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--warmup", action="store_true", help="api.warmup each method (prompt buckets up to 256) first")
     ap.add_argument("--cli", action="store_true")
+    ap.add_argument("--fresh-cache", action="store_true", help="--cli: both processes on a new, empty user cache")
     a = ap.parse_args()
     if a.cli:
-        res = two_processes(a.method, a.max_new_tokens)
+        res = two_processes(a.method, a.max_new_tokens, a.fresh_cache)
     else:
         res = in_process([m.strip() for m in a.methods.split(",")], a.max_new_tokens, a.warmup)
     print(json.dumps(res, indent=1))

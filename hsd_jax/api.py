@@ -35,8 +35,8 @@ class Target:
         if chat:
             prompt = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        return list(self.tokenizer(prompt)["input_ids"])
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return list(self.tokenizer.encode(prompt))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -188,6 +188,12 @@ SMALL_PROGRAM_PARAMS = 1 << 20
 # ~35% of what remains (tests, toy models; both measured on a tiny hsd decode loop).
 FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                         "xla_cpu_use_fusion_emitters": False}
+# XLA:CPU options for larger models served on the CPU kernels (`cpu_kernels`): their matmuls and
+# attention run there, so what XLA compiles is small elementwise fusions and the prefill's library
+# dots, which neither the MLIR fusion emitters nor LLVM's expensive passes speed up measurably;
+# without them SmolLM2's hsd decode loop compiles in ~2.7 s instead of ~3.9 s, its decode and
+# prefill times unchanged within noise (measured side by side; BENCHMARKS.md, "Start-up").
+KERNEL_PROGRAM_OPTIONS = {"xla_llvm_disable_expensive_passes": True, "xla_cpu_use_fusion_emitters": False}
 VOCAB_TABLES = ("embed_tokens", "lm_head")
 # A bf16 model on the CPU: XLA may otherwise keep a fusion's intermediates in f32 instead of rounding
 # them to bf16 (excess precision), differently in each program (ar's loop, a method's rounds), so
@@ -195,18 +201,23 @@ VOCAB_TABLES = ("embed_tokens", "lm_head")
 BF16_EXACT_OPTIONS = {"xla_allow_excess_precision": False}
 
 
-def compile_options(params) -> dict:
+def compile_options(params, kernels: bool = False) -> dict:
     """XLA compiler options for a decode loop over `params`: FAST_COMPILE_OPTIONS on the CPU for
     models whose decoder (the vocabulary tables left out: the embedding is a gather and the head
-    one library dot at any optimisation level) has under SMALL_PROGRAM_PARAMS parameters, none
-    (XLA's defaults) otherwise. A 2-layer model with SmolLM2's 49k vocabulary compiles in half the
-    time this way and still runs a 16-token decode in a fifth of a second (measured)."""
+    one library dot at any optimisation level) has under SMALL_PROGRAM_PARAMS parameters,
+    KERNEL_PROGRAM_OPTIONS for larger ones' programs that run the CPU `kernels` (prefill and decode
+    without a mesh) when those are on, none (XLA's defaults) otherwise (e.g. training steps: their
+    dots and fusions are XLA's). A 2-layer model with SmolLM2's 49k vocabulary compiles in half the time this way
+    and still runs a 16-token decode in a fifth of a second (measured)."""
     if jax.default_backend() != "cpu":
         return {}
     body = {k: v for k, v in params.items() if k not in VOCAB_TABLES} if isinstance(params, dict) else params
     leaves = jax.tree.leaves(body)
     size = sum(int(np.prod(getattr(x, "shape", ()))) for x in leaves)
-    options = dict(FAST_COMPILE_OPTIONS) if size < SMALL_PROGRAM_PARAMS else {}
+    if size < SMALL_PROGRAM_PARAMS:
+        options = dict(FAST_COMPILE_OPTIONS)
+    else:
+        options = dict(KERNEL_PROGRAM_OPTIONS) if kernels and cpu_kernels.enabled() else {}
     if any(getattr(x, "dtype", None) == jnp.bfloat16 for x in leaves):
         options.update(BF16_EXACT_OPTIONS)
     return options
@@ -216,10 +227,12 @@ def serving_params(target: Target) -> dict:
     """The target's params for decoding: with the packed layer weights of `hsd_jax.cpu_kernels`
     (built once per Target) when the kernels are enabled, else as loaded. An f32 model adds its
     tied LM head's bf16 screen (`head_screen`), a bf16 model its whole LM head in bf16 (`head`)."""
-    if target.config.dtype not in ("float32", "bfloat16") or not cpu_kernels.enabled():
+    if target.config.dtype not in ("float32", "bfloat16") or not cpu_kernels.wanted():
         return target.params
-    if target._packed is None or target._packed[0] is not target.params:
-        target._packed = (target.params, _packed_target(target))
+    if target._packed is None or target._packed[0] is not target.params:   # packed while a first process's
+        target._packed = (target.params, _packed_target(target))            # kernel build still runs
+    if not cpu_kernels.enabled():
+        return target.params
     return dict(target.params, packed_kernels=target._packed[1])
 
 
@@ -656,14 +669,14 @@ def programs(target: Target, spec, drafter, sampling: SamplingConfig, mesh=None,
     if spec is None:
         return Programs((tparams,), engine.ar_prefill, engine.ar_decode,
                         dict(cfg=tcfg, sampling=sampling, capacity=capacity),
-                        dict(cfg=tcfg, sampling=sampling, **exact), compile_options(target.params), capacity)
+                        dict(cfg=tcfg, sampling=sampling, **exact), compile_options(target.params, kernels=mesh is None), capacity)
     if getattr(drafter.config, "feature_layers", ()):  # the drafter reads these target layers' outputs
         tcfg = tcfg.replace(feature_layers=drafter.config.feature_layers)
     d2t = np.zeros((1,), np.int32) if drafter.d2t is None else drafter.d2t
     dparams = serving_drafter_params(drafter, target) if mesh is None else drafter.params
     static = dict(tcfg=tcfg, dcfg=drafter.config, spec=spec, sampling=sampling)
     return Programs((tparams, dparams, d2t), engine.spec_prefill, engine.spec_decode,
-                    dict(static, capacity=capacity), dict(static, **exact), compile_options(target.params), capacity)
+                    dict(static, capacity=capacity), dict(static, **exact), compile_options(target.params, kernels=mesh is None), capacity)
 
 
 def _run(progs: Programs, tokens, lengths, key, max_new_tokens: int, mesh, target: Target, drafter) -> tuple:

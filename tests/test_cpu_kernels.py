@@ -37,7 +37,7 @@ def test_stacked_matmul_equals_the_dot_for_every_row_count_and_layer():
 
 
 @built
-@pytest.mark.parametrize("head_dim,hq,hkv", [(16, 4, 2), (64, 9, 3), (128, 2, 1)])
+@pytest.mark.parametrize("head_dim,hq,hkv", [(16, 4, 2), (64, 9, 3), (96, 4, 2), (128, 2, 1)])
 def test_tree_attention_equals_the_reference(head_dim, hq, hkv):
     """Trees and chains of 1-17 new tokens over per-sequence prefixes (one of them filling the cache
     to the last slot, one with new tokens past the capacity), on layer 1 of a 3-layer stack."""

@@ -104,11 +104,13 @@ def test_bad_sampling_config_is_refused(tiny):
 
 
 def test_tiny_models_compile_fast_and_large_ones_with_xla_defaults(tiny):
-    from hsd_jax import api
+    from hsd_jax import api, cpu_kernels
 
     assert api.compile_options(tiny.params) == api.FAST_COMPILE_OPTIONS
     big = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
     assert api.compile_options(big) == {}
+    # served on the CPU kernels, a large model's programs skip what only XLA's own matmuls would repay
+    assert api.compile_options(big, kernels=True) == (api.KERNEL_PROGRAM_OPTIONS if cpu_kernels.enabled() else {})
     wide_vocab = {"embed_tokens": {"embedding": jax.ShapeDtypeStruct((49152, 96), jnp.float32)}, "layers": {}}
     assert api.compile_options(wide_vocab) == api.FAST_COMPILE_OPTIONS   # the decoder's size decides
     # the fast options really reach XLA: the same loop compiled both ways gives the same tokens

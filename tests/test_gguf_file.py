@@ -62,3 +62,25 @@ def test_damaged_files_are_clear_errors(tmp_path, damage):
     bad.write_bytes(raw)
     with pytest.raises(ModelLoadError, match="bad.gguf"):
         read_gguf(str(bad))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_fast_dequantize_is_bit_identical_to_gguf_quants(kind):
+    """`gguf_loader.dequantize` (one pass per tensor) against gguf-py's reference decoder, on random
+    weights with large, tiny and zero blocks, and on the embedded model's own tensors of that type."""
+    from hsd_jax.loading.gguf_loader import dequantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    w = np.random.default_rng(0).normal(size=(48, 256)).astype(np.float32)
+    w[3] *= 1e4
+    w[5] *= 1e-6
+    w[7, :32] = 0
+    raw = gguf.quants.quantize(w, qtype)
+    want = gguf.quants.dequantize(raw, qtype)
+    got = dequantize(raw, kind)
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    tensors = [t for t in read_gguf(default_gguf_path()).tensors.values() if t.tensor_type.name == kind]
+    assert tensors
+    for t in tensors[:8]:
+        assert np.array_equal(dequantize(t.data, kind), gguf.quants.dequantize(t.data, t.tensor_type))
+    assert dequantize(raw, "Q6_K") is None     # other types go to gguf-py

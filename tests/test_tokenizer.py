@@ -82,6 +82,33 @@ def test_plain_encode_and_decode_match(mine, ref):
             assert mine.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
 
 
+def test_own_encode_decode_and_chat_template_equal_transformers_own(mine):
+    """What `GGUFTokenizer` computes itself (serving never imports transformers) equals its
+    `PreTrainedTokenizerFast` twin, with and without a BOS/EOS the post-processor adds."""
+    from hsd_jax.loading.gguf_file import read_gguf
+    from hsd_jax.loading.tokenizer import build_byte_level_tokenizer
+
+    fields = read_gguf(default_gguf_path()).fields
+    tokens, merges = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.merges"]
+    with_bos = build_byte_level_tokenizer(tokens, merges, token_types=fields["tokenizer.ggml.token_type"],
+                                          special_ids={"bos_token": 1, "eos_token": 2}, add_bos_token=True,
+                                          add_eos_token=True, chat_template=mine.chat_template)
+    for tok in (mine, with_bos):
+        for attr in ("bos_token", "eos_token", "bos_token_id", "eos_token_id"):
+            assert getattr(tok, attr) == getattr(tok.hf, attr), attr
+        for text in TEXTS[::5] + NON_ASCII:
+            for special in (True, False):
+                ids = tok.encode(text, add_special_tokens=special)
+                assert ids == tok.hf.encode(text, add_special_tokens=special), text[:80]
+            for skip in (True, False):
+                assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+        for messages in _chats()[::3]:
+            for prompt in (True, False):
+                assert (tok.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+                        == tok.hf.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False))
+    assert with_bos.encode("Hi")[0] == 1 and with_bos.encode("Hi")[-1] == 2 and mine.encode("Hi")[0] != 1
+
+
 def test_non_ascii_prompts_match(mine, ref):
     for text in NON_ASCII:
         ids = mine(text)["input_ids"]
@@ -132,7 +159,8 @@ def test_pre_tokenizer_table_matches_transformers():
 
 
 def test_load_generate_decode_without_torch():
-    """`import torch` fails in this process: the default target loads, generates and decodes."""
+    """`import torch` fails in this process: the default target loads, generates and decodes, and
+    never imports transformers either."""
     code = textwrap.dedent("""
         import sys
         sys.modules["torch"] = None          # any `import torch` now raises ImportError
@@ -140,6 +168,7 @@ def test_load_generate_decode_without_torch():
         target = hsd_jax.load_target("smollm2-135m", max_cache_len=128)
         out = hsd_jax.generate(target, ["What is the capital of France?"], chat=True, max_new_tokens=6)
         assert sys.modules["torch"] is None, "something replaced the torch block"
+        assert "transformers" not in sys.modules, "serving imported transformers (~1.3 s of every start)"
         print(repr(out[0].text))
         assert out[0].text.strip(), out[0].text
     """)

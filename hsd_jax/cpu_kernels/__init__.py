@@ -144,9 +144,10 @@ def _pending_build() -> concurrent.futures.Future | None:
     return build
 
 
-def _wanted() -> bool:
-    """The CPU backend, one process (a multi-process run shards every program over a mesh, which the
-    kernels do not serve, and its other processes write no file), not turned off."""
+def wanted() -> bool:
+    """Whether this process would serve on the kernels once built: CPU backend, one process (a
+    multi-process run shards every program over a mesh, which the kernels do not serve, and its other
+    processes write no file), not disabled."""
     return (os.environ.get("HSD_CPU_KERNELS", "1") != "0" and jax.default_backend() == "cpu"
             and jax.process_count() == 1)
 
@@ -155,7 +156,7 @@ def prebuild() -> None:
     """Start building the kernel library in the background if this process will want it and the
     cache lacks it, so the compiler runs while the model loads; `enabled()` waits for it. A failure
     is reported there (never here)."""
-    if _wanted():
+    if wanted():
         try:
             _pending_build()
         except Exception:  # noqa: BLE001 - e.g. an unreadable source: `_registered` reports it
@@ -190,7 +191,7 @@ def _registered() -> bool:
 
 def enabled() -> bool:
     """Whether serving on this process may use the kernel: CPU backend, one process, not disabled, built."""
-    return _wanted() and _registered()
+    return wanted() and _registered()
 
 
 # bf16 tiles store columns 0, 16, 1, 17, ..., 15, 31: the kernel widens each 32-bit pair with a shift and a mask

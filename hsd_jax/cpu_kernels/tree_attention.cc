@@ -115,15 +115,21 @@ static inline v16 Reduce16(const v16* acc) {
 // The denominator is summed slot by slot in that same loop: its visible terms come in slot order wherever the
 // row's slots lie (hidden ones add exact zeros), so a row of a tree verify gives, bit for bit, what the decode
 // step of its accepted path gives (a bf16 model rounds any difference up to a bf16 ulp: tokens would differ).
+constexpr int64_t kMaxHeadDim = 128;
+
 struct Scratch {                              // per thread, reused across calls: no allocation per head
   std::vector<float> sc;                      // scores, then softmax numerators [n, stride]
   std::vector<int64_t> live;                  // rows that are their own ancestor; the others are skipped, output 0
 };
 
+// VECS: the head size in 16-float vectors, unrolled at compile time for the common sizes (64, 128); 0 for any
+// other multiple of 16 up to kMaxHeadDim (`vecs` at run time).
 template <int VECS, typename T>
 static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int64_t n, int64_t reps, int64_t len,
-                 int64_t end, float scale, float* out, Scratch& scratch) {
-  constexpr int64_t dh = 16 * VECS;
+                 int64_t end, float scale, float* out, Scratch& scratch, int vecs) {
+  constexpr int kVecs = VECS ? VECS : kMaxHeadDim / 16;   // register arrays' size
+  const int nv = VECS ? VECS : vecs;
+  const int64_t dh = 16 * nv;
   const int64_t stride = (end + 15) / 16 * 16;
   std::vector<float>& sc = scratch.sc;
   std::vector<int64_t>& live = scratch.live;
@@ -142,7 +148,7 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
     for (const int64_t i : live) {
       const float* qi = q + i * dh;
       v16 acc[16] = {};
-      for (int c = 0; c < VECS; ++c) {
+      for (int c = 0; c < nv; ++c) {
         const v16 qc = Load(qi + 16 * c);
         for (int jj = 0; jj < 16; ++jj) acc[jj] += qc * Load(ks[jj] + 16 * c);
       }
@@ -176,33 +182,35 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
   const int64_t m = static_cast<int64_t>(live.size());
   for (int64_t i0 = 0; i0 < m; i0 += 4) {
     const int64_t rows = std::min<int64_t>(4, m - i0);
-    v16 acc[4][VECS] = {};
+    v16 acc[4][kVecs] = {};
     float den[4] = {};
     for (int64_t j = 0; j < end; ++j) {
-      v16 v[VECS];
-      for (int c = 0; c < VECS; ++c) v[c] = Load(V + j * dh + 16 * c);
+      v16 v[kVecs];
+      for (int c = 0; c < nv; ++c) v[c] = Load(V + j * dh + 16 * c);
       for (int64_t r = 0; r < rows; ++r) {
         const float e = sc[live[i0 + r] * stride + j];
         den[r] += e;
         const v16 p = Splat(e);
-        for (int c = 0; c < VECS; ++c) acc[r][c] += p * v[c];
+        for (int c = 0; c < nv; ++c) acc[r][c] += p * v[c];
       }
     }
     for (int64_t r = 0; r < rows; ++r)
-      for (int c = 0; c < VECS; ++c) {
+      for (int c = 0; c < nv; ++c) {
         const v16 o = acc[r][c] * Splat(den[r] > 0.0f ? 1.0f / den[r] : 0.0f);   // a row that sees nothing: 0
         __builtin_memcpy(out + live[i0 + r] * dh + 16 * c, &o, sizeof(v16));
       }
   }
 }
 
+// The Head for `vecs` (head size / 16): unrolled for 64 and 128 only, since every instantiation costs a first
+// process ~0.3 s of the compiler (all eight took 6 s, quiet)
 template <typename T>
-using HeadFn = void (*)(const float*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, float,
-                        float*, Scratch&);
-template <typename T>
-static constexpr HeadFn<T> kHeads[] = {Head<1, T>, Head<2, T>, Head<3, T>, Head<4, T>,
-                                       Head<5, T>, Head<6, T>, Head<7, T>, Head<8, T>};
-constexpr int64_t kMaxHeadDim = 128;
+static void AnyHead(const float* q, const T* K, const T* V, const int32_t* anc, int64_t n, int64_t reps, int64_t len,
+                    int64_t end, float scale, float* out, Scratch& scratch, int vecs) {
+  if (vecs == 4) return Head<4, T>(q, K, V, anc, n, reps, len, end, scale, out, scratch, vecs);
+  if (vecs == 8) return Head<8, T>(q, K, V, anc, n, reps, len, end, scale, out, scratch, vecs);
+  Head<0, T>(q, K, V, anc, n, reps, len, end, scale, out, scratch, vecs);
+}
 constexpr int64_t kGroupRows = 8;   // a task's rows when it takes a whole kv group (below)
 
 // T: the cache's element type (float, or bf16 as uint16 bits widened exactly); q and out are f32
@@ -243,7 +251,7 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     const int64_t bi = t * reps / hq, kvh = (t * reps % hq) / group;
     const int64_t len = std::clamp<int64_t>(lens[bi], 0, s), end = std::min<int64_t>(len + n, s);
     const int64_t kv = (bi * hkv + kvh) * s * dh, rows = t * reps * n * dh;
-    kHeads<T>[dh / 16 - 1](Q + rows, Kl + kv, Vl + kv, anc + bi * n * n, n, reps, len, end, scale, O + rows, sc);
+    AnyHead<T>(Q + rows, Kl + kv, Vl + kv, anc + bi * n * n, n, reps, len, end, scale, O + rows, sc, dh / 16);
   });
   return ffi::Error::Success();
 }

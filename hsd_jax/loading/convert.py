@@ -95,9 +95,13 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str
     per_layer = [k for k in LAYER_TENSORS if f"model.layers.0.{k}" in shapes]
     for hf_name in per_layer:
         path, transpose = LAYER_TENSORS[hf_name]
-        stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}") for i in range(cfg.num_layers)])
-        if transpose:
-            stacked = stacked.swapaxes(1, 2)
+        stacked = None
+        for i in range(cfg.num_layers):   # each layer copied (and transposed) once, straight into its slot
+            arr = fetch(f"model.layers.{i}.{hf_name}")
+            arr = arr.T if transpose else arr
+            if stacked is None:
+                stacked = np.empty((cfg.num_layers,) + arr.shape, arr.dtype)
+            stacked[i] = arr
         node = layers
         for p in path[:-1]:
             node = node.setdefault(p, {})

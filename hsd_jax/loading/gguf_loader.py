@@ -132,6 +132,27 @@ def load_gguf(path: str, host: bool = False, **overrides) -> tuple[ModelConfig, 
     return cfg, jax.tree.map(cast, f32)
 
 
+def dequantize(raw: np.ndarray, kind: str) -> np.ndarray | None:
+    """Q4_1 and Q8_0 blocks (SmolLM2's file) as float32 [rows, columns], in one pass over the
+    whole tensor where `gguf.quants` goes row group by row group (~2.5x faster, bit-identical:
+    tests/test_gguf_file.py); None for every other type (`gguf.quants` decodes those)."""
+    size, scales = {"Q4_1": (20, 2), "Q8_0": (34, 1)}.get(kind, (0, 0))
+    if not size or raw.ndim != 2 or raw.shape[1] % size:
+        return None
+    blocks = np.ascontiguousarray(raw).reshape(-1, size)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    out = np.empty((blocks.shape[0], 32), np.float32)
+    if kind == "Q4_1":       # d, m (f16), then 16 bytes: values 0-15 in the low nibbles, 16-31 in the high
+        qs = blocks[:, 4:]
+        np.bitwise_and(qs, 15, out=out[:, :16], casting="unsafe")
+        np.right_shift(qs, 4, out=out[:, 16:], casting="unsafe")
+        out *= d
+        out += blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    else:                    # d (f16), then 32 int8 values
+        np.multiply(blocks[:, 2:].view(np.int8), d, out=out, casting="unsafe")
+    return out.reshape(raw.shape[0], -1)
+
+
 def _dequantized_params(gf: GGUFFile, cfg: ModelConfig, path: str) -> dict:
     """The float32 param tree of a GGUF file as host numpy arrays (the quantized blocks decoded)."""
     import gguf
@@ -155,7 +176,8 @@ def _dequantized_params(gf: GGUFFile, cfg: ModelConfig, path: str) -> dict:
         if t.tensor_type.name in INTEGER_TYPES:
             raise ModelLoadError(f"{path}: tensor {name} has type {t.tensor_type.name}; weights are float or quantized")
         with reading(path, f"tensor {name} undecodable"):
-            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+            w = dequantize(t.data, t.tensor_type.name)
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32) if w is None else w
             w = w.reshape([int(s) for s in reversed(t.shape)]) if w.ndim != len(t.shape) else w
         if name.endswith("attn_q.weight"):
             w = _unpermute(w, cfg.num_heads)

@@ -7,9 +7,10 @@ build a tokenizer from it, but its GGUF reader imports torch. For byte-level BPE
 (`tokenizer.ggml.model == "gpt2"`: SmolLM2, Llama 3, ...) we build the same `tokenizers` object
 here from the GGUF metadata (`loading/gguf_file.py`), mirroring transformers' GGUF conversion
 (`transformers/integrations/gguf/gguf_tokenizer_mapping.py`: `byte_level_tokenizer`,
-`add_gguf_special_tokens`, `set_split_regex`, on top of `GPT2Tokenizer`), and wrap it in a
-`PreTrainedTokenizerFast` with the file's chat template and special tokens, so callers see the
-same interface. tests/test_tokenizer.py checks it is token-identical to transformers' own.
+`add_gguf_special_tokens`, `set_split_regex`, on top of `GPT2Tokenizer`), and serve encode, decode
+and the chat template from it directly (`GGUFTokenizer`), the rest of transformers' interface
+through the equivalent `PreTrainedTokenizerFast`, built when first asked for. tests/test_tokenizer.py
+checks it is token-identical to transformers' own.
 Other vocabulary types (sentencepiece `llama`, ...) still go through transformers, which needs torch.
 """
 from __future__ import annotations
@@ -59,8 +60,8 @@ PRE_TOKENIZER_SPLITS = {
 
 
 def load_tokenizer(path: str):
-    """A transformers tokenizer; `path` is a .gguf file or a model directory. Never touches a hub
-    and never imports torch for a byte-level BPE GGUF or a HF directory."""
+    """A tokenizer with transformers' interface; `path` is a .gguf file or a model directory. Never
+    touches a hub and never imports torch for a byte-level BPE GGUF or a HF directory."""
     with reading(path, "cannot load a tokenizer"):
         if path.endswith(".gguf"):
             return gguf_tokenizer(path)
@@ -84,7 +85,8 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def gguf_tokenizer(path: str):
-    """The tokenizer a GGUF's metadata describes, as a `PreTrainedTokenizerFast`."""
+    """The tokenizer a GGUF's metadata describes: a `GGUFTokenizer` for byte-level BPE, else
+    transformers' own."""
     _field = read_gguf(path).fields.get
     kind = _field("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -110,7 +112,6 @@ def build_byte_level_tokenizer(tokens, merges, *, token_types=None, pre=None, sp
                                name_or_path=""):
     """Byte-level BPE from a GGUF vocabulary, as transformers' GGUF conversion builds it."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
@@ -137,10 +138,121 @@ def build_byte_level_tokenizer(tokens, merges, *, token_types=None, pre=None, sp
                         for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
     specials = {name: tokens[int(i)] for name, i in (special_ids or {}).items()
                 if i is not None and 0 <= int(i) < len(tokens)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=chat_template,
-                                  add_bos_token=add_bos_token, add_eos_token=add_eos_token,
-                                  clean_up_tokenization_spaces=False, name_or_path=name_or_path, **specials)
-    return tok
+    return GGUFTokenizer(backend, chat_template=chat_template, specials=specials, add_bos_token=add_bos_token,
+                         add_eos_token=add_eos_token, name_or_path=name_or_path)
+
+
+class GGUFTokenizer:
+    """A GGUF's byte-level BPE tokenizer that encodes, decodes and renders its chat template on the
+    `tokenizers` backend itself, so a process that only serves never imports transformers (~1.3 s of
+    every start). Everything else (`__call__`, special-token tables, `save_pretrained`, ...) is the
+    equivalent `PreTrainedTokenizerFast` (`.hf`, built on first such use); tests/test_tokenizer.py
+    checks the two agree on every method here."""
+
+    def __init__(self, backend, *, chat_template, specials: dict, add_bos_token: bool, add_eos_token: bool,
+                 name_or_path: str):
+        from tokenizers import Tokenizer
+
+        self._hf_args = dict(tokenizer_object=Tokenizer.from_str(backend.to_str()), chat_template=chat_template,
+                             add_bos_token=add_bos_token, add_eos_token=add_eos_token,
+                             clean_up_tokenization_spaces=False, name_or_path=name_or_path, **specials)
+        self._hf = None
+        self.chat_template = chat_template
+        self._specials = dict(specials)
+        self._backend = backend
+        _add_bos_eos(backend, specials, add_bos_token, add_eos_token)
+
+    @property
+    def hf(self):
+        """The same tokenizer as a transformers `PreTrainedTokenizerFast`."""
+        if self._hf is None:
+            from transformers import PreTrainedTokenizerFast
+
+            self._hf = PreTrainedTokenizerFast(**self._hf_args)
+        return self._hf
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.hf, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.hf(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._specials.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._specials.get("eos_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self._backend.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self._backend.token_to_id(self.eos_token)
+
+    def encode(self, text: str, add_special_tokens: bool = True, **kwargs) -> list[int]:
+        if kwargs or not isinstance(text, str):
+            return self.hf.encode(text, add_special_tokens=add_special_tokens, **kwargs)
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False, **kwargs) -> str:
+        if kwargs:
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = False, tokenize: bool = True,
+                            **kwargs):
+        template = _compiled_template(self.chat_template) if self.chat_template and not tokenize and not kwargs else None
+        if template is None:
+            return self.hf.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                               tokenize=tokenize, **kwargs)
+        return template.render(messages=conversation, tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **self._specials)
+
+
+def _add_bos_eos(backend, specials: dict, add_bos: bool, add_eos: bool) -> None:
+    """The post-processor `PreTrainedTokenizerFast(add_bos_token=, add_eos_token=)` sets."""
+    from tokenizers import processors
+
+    bos, eos = specials.get("bos_token"), specials.get("eos_token")
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    tokens = [(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=tokens)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):
+    """A chat template compiled as transformers compiles it (sandboxed, blocks trimmed, `tojson`,
+    `raise_exception`, `strftime_now`); None for one that needs transformers' own extensions
+    (`{% generation %}` blocks), which then renders through `.hf`."""
+    import datetime
+    import json
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError:
+        return None
 
 
 def _transformers_gguf_tokenizer(path: str, kind):
