@@ -54,7 +54,7 @@ LONG_MODULES = ("test_speculative.py", "test_notebooks.py", "test_training.py", 
 def pytest_configure(config):
     """The controller (or a run without workers) starts building the CPU kernel (~11 s of one core)
     while the workers start: the workers' collection (test_cpu_kernels asks whether it is built) and
-    every subprocess then wait on its lock (`cpu_kernels._build`) instead of each building it too."""
+    every subprocess then wait on its lock (`kernel_build.build`) instead of each building it too."""
     if not hasattr(config, "workerinput"):
         from hsd_jax import cpu_kernels
 

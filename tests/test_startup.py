@@ -7,12 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import jax
 import numpy as np
 import pytest
 
-from hsd_jax import api, compilation, cpu_kernels
+from hsd_jax import api, compilation, cpu_kernels, kernel_build
 from hsd_jax.api import generate, load_drafter
 from hsd_jax.loading import weights_cache
 from tests.helpers import run_cli, tiny_smollm2_gguf, tiny_target
@@ -113,10 +114,10 @@ def _with_the_suites_kernel(cache: str, monkeypatch) -> None:
     test load it instead of compiling it again (~15 s of CPU: the same sources, compiler and CPU)."""
     if not cpu_kernels.enabled():
         return
-    built = cpu_kernels._library_path()
+    built = kernel_build.library_path()
     with monkeypatch.context() as m:
         m.setenv("HSD_JAX_CACHE", cache)
-        target = cpu_kernels._library_path()
+        target = kernel_build.library_path()
     os.makedirs(os.path.dirname(target))
     shutil.copyfile(built, target)
 
@@ -274,3 +275,63 @@ def test_a_drafter_checkpoint_is_read_back_from_the_weights_cache_without_orbax(
     ckpt_file = next(os.path.join(d, f) for d, _, fs in os.walk(params_path) for f in fs)
     os.utime(ckpt_file, ns=(1, 1))                                  # the checkpoint changed: a new key
     assert weights_cache.cache_file(params_path, api.ORBAX_CACHE_VARIANT) != cached
+
+
+def test_importing_the_package_loads_no_jax_and_the_cli_starts_the_kernel_build_first(tmp_path):
+    """`import hsd_jax` is light (its public names load on first use), so `hsd` (`hsd_jax.__main__`)
+    starts a first run's CPU kernel build before JAX's imports: here, on an empty cache, the build
+    is under way while `jax` is still not imported (its compiler `false`: no second real build)."""
+    code = textwrap.dedent("""
+        import json, os, sys, time
+        import hsd_jax
+        light = "jax" not in sys.modules
+        from hsd_jax import kernel_build
+        try:
+            hsd_jax.no_such_name
+            missing = "no error"
+        except AttributeError as e:
+            missing = str(e)
+        kernel_build.start()
+        started = kernel_build.pending() is not None and "jax" not in sys.modules
+        kernel_build.wait()
+        failed = kernel_build.pending().exception() is not None and not os.path.exists(kernel_build.library_path())
+        from hsd_jax import load_target, ModelLoadError
+        print(json.dumps({"light": light, "missing": missing, "started": started, "failed": failed,
+                          "exports": callable(load_target) and issubclass(ModelLoadError, Exception),
+                          "cpu": kernel_build.cpu_likely()}))
+    """)
+    env = dict(os.environ, HSD_JAX_CACHE=str(tmp_path), JAX_PLATFORMS="cpu", CXX="false")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"light": True, "missing": "module 'hsd_jax' has no attribute 'no_such_name'", "started": True,
+                   "failed": True, "exports": True, "cpu": True}
+
+
+def test_the_early_build_is_skipped_where_jax_may_run_on_an_accelerator(monkeypatch):
+    from hsd_jax import kernel_build
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    assert not kernel_build.cpu_likely()
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert kernel_build.cpu_likely()
+
+
+def test_the_cli_starts_no_early_build_for_a_multi_process_run(monkeypatch):
+    """Such a run uses no CPU kernel (every program on a mesh), and its other processes write no file."""
+    import hsd_jax.__main__ as entry
+    import hsd_jax.cli
+
+    starts = []
+    monkeypatch.setattr(kernel_build, "start", lambda: starts.append(1))
+    monkeypatch.setattr(hsd_jax.cli, "main", lambda: 0)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("HSD_CPU_KERNELS", raising=False)
+    for env in ({"HSD_COORDINATOR": "127.0.0.1:1234", "HSD_NUM_PROCESSES": "2", "HSD_PROCESS_ID": "1"},
+                {"HSD_DISTRIBUTED": "auto"}, {}):
+        for k in ("HSD_COORDINATOR", "HSD_NUM_PROCESSES", "HSD_PROCESS_ID", "HSD_DISTRIBUTED"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert entry.main() == 0
+    assert starts == [1]                      # the single-process run alone

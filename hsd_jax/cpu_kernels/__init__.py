@@ -26,24 +26,16 @@ handler also takes bf16 weights (widened exactly in registers): the greedy head'
 screen (`llama.screened_argmax`) streams a packed bf16 copy of the embedding with it.
 
 Built on first use with the system C++ compiler against the running jaxlib's FFI headers (so
-the binary always matches the installed jaxlib and this CPU), cached in the user cache folder:
-one compiler process per source file, at once, then a link; `prebuild()` (called by
-`api.load_target` without a mesh) starts that in the background so a first process's build overlaps
-its model load. No compiler, a failed build or `HSD_CPU_KERNELS=0`: XLA's dots, with one warning; a
-multi-process run neither builds nor uses them.
+the binary always matches the installed jaxlib and this CPU), cached in the user cache folder
+(`hsd_jax.kernel_build`); `prebuild()` (called by `api.load_target`; the CLI starts the build
+before importing JAX) runs it in the background, so a first process's compiler overlaps its
+imports and model load. No compiler, a failed build or `HSD_CPU_KERNELS=0`: XLA's dots, with one
+warning. A load with a mesh and a multi-process run build none (neither uses them).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
-import fcntl
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 
 import flax.linen as nn
@@ -51,105 +43,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hsd_jax import kernel_build
+
 COLS = 32           # the kernel's column tile (the packed layout's last axis)
 MAX_ROWS = 64       # forwards up to this many rows (batch x new tokens): measured faster than XLA up to 64
-SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("stacked_matmul.cc", "tree_attention.cc"))
-HEADERS = (os.path.join(os.path.dirname(__file__), "parallel.h"),)
 TARGETS = {"hsd_stacked_matmul_packed": "StackedMatmulPacked", "hsd_stacked_matmul_packed_bf16": "StackedMatmulPackedBF16",
            "hsd_tree_attention": "TreeAttention", "hsd_tree_attention_bf16": "TreeAttentionBF16"}
 DTYPES = (jnp.float32, jnp.bfloat16)   # the weight and cache dtypes the kernels read
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC")   # each source's compile; linked with -shared
-
-
-def _cache_dir() -> str:
-    from hsd_jax.tuning import cache_dir
-
-    return os.path.join(os.path.dirname(cache_dir()), "cpu_kernels")
-
-
-def _cpu_id() -> str:
-    """The CPU's model and instruction-set flags (`-march=native` builds for exactly these)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def _library_path() -> str:
-    """Where the built kernel for this source, jaxlib, compiler flags and CPU lives (a shared home
-    folder never hands a machine a binary built for another CPU)."""
-    import jaxlib
-
-    source = b"".join(open(path, "rb").read() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + repr((jaxlib.__version__, FLAGS, "-shared", platform.machine(),
-                                        _cpu_id())).encode()).hexdigest()[:16]
-    return os.path.join(_cache_dir(), f"hsd_kernels-{key}.so")
-
-
-def _build(out: str) -> None:
-    """Build the kernel library `out`, once however many processes ask at the same time: each takes
-    a file lock first, and one that finds `out` built while it waited uses that (pytest workers and
-    their subprocesses all start by asking)."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler found (g++ / c++ / $CXX)")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)    # released when the file closes, or when this process dies
-        if not os.path.exists(out):
-            _compile(compiler, out)
-
-
-def _compile(compiler: str, out: str) -> None:
-    """Compile every source to an object file, all at once (one compiler process each), then link
-    them into `out`."""
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
-        objects = [os.path.join(tmp, f"{i}.o") for i in range(len(SOURCES))]
-        procs = [subprocess.Popen([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", src, "-o", obj],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for src, obj in zip(SOURCES, objects)]
-        errors = [_finish(proc) for proc in procs]
-        if any(errors):
-            raise RuntimeError(f"{compiler} failed: {next(e for e in errors if e)[-800:]}")
-        part = os.path.join(tmp, "kernel.so")
-        link = subprocess.run([compiler, "-shared", *objects, "-o", part], capture_output=True, text=True, timeout=300)
-        if link.returncode != 0:
-            raise RuntimeError(f"{compiler} failed to link: {link.stderr.strip()[-800:]}")
-        os.replace(part, out)       # atomic: a reader never sees half a file
-
-
-def _finish(proc: subprocess.Popen) -> str:
-    """Wait for a compiler process: '' when it succeeded, else its error output."""
-    try:
-        _, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return "timed out after 300 s"
-    return "" if proc.returncode == 0 else err.strip() or f"exit status {proc.returncode}"
-
-
-@functools.cache
-def _pending_build() -> concurrent.futures.Future | None:
-    """The library's build, started in a background thread when it is not in the cache yet (once
-    per process); None when it is there already."""
-    path = _library_path()
-    if os.path.exists(path):
-        return None
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsd-kernel-build")
-    build = pool.submit(_build, path)
-    pool.shutdown(wait=False)
-    return build
 
 
 def wanted() -> bool:
     """Whether this process would serve on the kernels once built: CPU backend, one process (a
     multi-process run shards every program over a mesh, which the kernels do not serve, and its other
     processes write no file), not disabled."""
-    return (os.environ.get("HSD_CPU_KERNELS", "1") != "0" and jax.default_backend() == "cpu"
-            and jax.process_count() == 1)
+    return not kernel_build.disabled() and jax.default_backend() == "cpu" and jax.process_count() == 1
 
 
 def prebuild() -> None:
@@ -157,19 +64,12 @@ def prebuild() -> None:
     cache lacks it, so the compiler runs while the model loads; `enabled()` waits for it. A failure
     is reported there (never here)."""
     if wanted():
-        try:
-            _pending_build()
-        except Exception:  # noqa: BLE001 - e.g. an unreadable source: `_registered` reports it
-            pass
+        kernel_build.start()
 
 
 def wait_for_build() -> None:
-    """Let a build `prebuild` started finish, whether or not anything used it (before a process
-    ends without its teardown, which would leave the compilers' temporary folder behind)."""
-    if _pending_build.cache_info().currsize:
-        build = _pending_build()
-        if build is not None:
-            concurrent.futures.wait([build])
+    """Let a build `prebuild` (or the CLI's start) began finish, whether or not anything used it."""
+    kernel_build.wait()
 
 
 @functools.cache
@@ -177,10 +77,10 @@ def _registered() -> bool:
     """Build (once per machine; or wait for `prebuild`'s build) and register the kernel; False,
     with a warning, when that fails."""
     try:
-        build = _pending_build()
+        build = kernel_build.pending()
         if build is not None:
             build.result()
-        lib = ctypes.cdll.LoadLibrary(_library_path())
+        lib = ctypes.cdll.LoadLibrary(kernel_build.library_path())
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         return True

@@ -1,0 +1,157 @@
+"""Building the CPU kernels' shared library (`hsd_jax.cpu_kernels`) without importing JAX, so the
+CLI starts a first run's build before JAX loads (`hsd_jax.__main__`): the compiler then overlaps
+the imports and the model load.
+
+Built with the system C++ compiler against the installed jaxlib's FFI headers for this CPU
+(`-march=native`), once per machine: cached in the user cache folder under a key of the sources,
+jaxlib's version, the flags and the CPU; one compiler process per source at once, then a link,
+under a file lock, so processes that ask at the same time build it once.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import fcntl
+import functools
+import hashlib
+import os
+import pkgutil
+import platform
+import shutil
+import subprocess
+import tempfile
+
+HERE = os.path.join(os.path.dirname(__file__), "cpu_kernels")
+SOURCES = tuple(os.path.join(HERE, f) for f in ("stacked_matmul.cc", "tree_attention.cc"))
+HEADERS = (os.path.join(HERE, "parallel.h"),)
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC")   # each source's compile; linked with -shared
+ENV = "HSD_CPU_KERNELS"                                    # "0": XLA's dots, no build
+ACCELERATOR_PLUGINS = ("jax_cuda", "jax_rocm", "jax_plugins", "libtpu")   # installed: JAX may not run on the CPU
+
+
+def disabled() -> bool:
+    return os.environ.get(ENV, "1") == "0"
+
+
+def cache_dir() -> str:
+    from hsd_jax.tuning import cache_dir as tuned_dir
+
+    return os.path.join(os.path.dirname(tuned_dir()), "cpu_kernels")
+
+
+def _jaxlib():
+    import jaxlib
+
+    return jaxlib
+
+
+def include_dir() -> str:
+    """jaxlib's bundled headers (where `jax.ffi.include_dir()` points), found without importing JAX."""
+    return os.path.join(os.path.dirname(os.path.abspath(_jaxlib().__file__)), "include")
+
+
+def _cpu_id() -> str:
+    """The CPU's model and instruction-set flags (`-march=native` builds for exactly these)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def library_path() -> str:
+    """Where the built library for these sources, jaxlib, compiler flags and CPU lives (a shared home
+    folder never hands a machine a binary built for another CPU)."""
+    source = b"".join(open(path, "rb").read() for path in SOURCES + HEADERS)
+    key = hashlib.sha256(source + repr((_jaxlib().__version__, FLAGS, "-shared", platform.machine(),
+                                        _cpu_id())).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), f"hsd_kernels-{key}.so")
+
+
+def build(out: str) -> None:
+    """Build the library `out`, once however many processes ask at the same time: each takes a file
+    lock first, and one that finds `out` built while it waited uses that (pytest workers and their
+    subprocesses all start by asking)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (g++ / c++ / $CXX)")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)    # released when the file closes, or when this process dies
+        if not os.path.exists(out):
+            _compile(compiler, out)
+
+
+def _compile(compiler: str, out: str) -> None:
+    """Compile every source to an object file, all at once (one compiler process each), then link
+    them into `out`."""
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
+        objects = [os.path.join(tmp, f"{i}.o") for i in range(len(SOURCES))]
+        procs = [subprocess.Popen([compiler, *FLAGS, f"-I{include_dir()}", "-c", src, "-o", obj],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for src, obj in zip(SOURCES, objects)]
+        errors = [_finish(proc) for proc in procs]
+        if any(errors):
+            raise RuntimeError(f"{compiler} failed: {next(e for e in errors if e)[-800:]}")
+        part = os.path.join(tmp, "kernel.so")
+        link = subprocess.run([compiler, "-shared", *objects, "-o", part], capture_output=True, text=True, timeout=300)
+        if link.returncode != 0:
+            raise RuntimeError(f"{compiler} failed to link: {link.stderr.strip()[-800:]}")
+        os.replace(part, out)       # atomic: a reader never sees half a file
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    """Wait for a compiler process: '' when it succeeded, else its error output."""
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return "timed out after 300 s"
+    return "" if proc.returncode == 0 else err.strip() or f"exit status {proc.returncode}"
+
+
+@functools.cache
+def pending() -> concurrent.futures.Future | None:
+    """The library's build, started in a background thread when it is not in the cache yet (once
+    per process); None when it is there already."""
+    path = library_path()
+    if os.path.exists(path):
+        return None
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsd-kernel-build")
+    future = pool.submit(build, path)
+    pool.shutdown(wait=False)
+    return future
+
+
+def start() -> None:
+    """Start the build in the background when the cache lacks it (a failure is reported where the
+    library is first used, `cpu_kernels.enabled`, never here)."""
+    try:
+        pending()
+    except Exception:  # noqa: BLE001 - e.g. an unreadable source: reported on use
+        pass
+
+
+def wait() -> None:
+    """Let a build `start` began finish, whether or not anything used it (before a process ends
+    without its teardown, which would leave the compilers' temporary folder behind)."""
+    if pending.cache_info().currsize:
+        future = pending()
+        if future is not None:
+            concurrent.futures.wait([future])
+
+
+def multi_process() -> bool:
+    """Whether the environment asks for a multi-process run (`hsd_jax.distributed`), judged without
+    importing JAX: such a run uses no CPU kernel (`cpu_kernels.wanted`), so none of its processes builds."""
+    return bool(os.environ.get("HSD_COORDINATOR")) or os.environ.get("HSD_DISTRIBUTED", "").lower() == "auto"
+
+
+def cpu_likely() -> bool:
+    """Whether JAX will run on the CPU, judged without importing it: JAX_PLATFORMS names the CPU
+    first, or (unset) no accelerator plugin is installed."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    return not any(m.name.startswith(ACCELERATOR_PLUGINS) for m in pkgutil.iter_modules())
