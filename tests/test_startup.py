@@ -176,6 +176,16 @@ def test_a_corrupt_or_stale_weights_cache_is_rebuilt(tmp_path, monkeypatch):
     assert same(api.load_target(model, tokenizer=False).params)
     os.utime(model, ns=(1, 1))                                       # the source changed: a new key
     assert weights_cache.cache_file(model) != cached
+    # its next store evicts the old version's files (derived ones too), never another file's
+    folder = os.path.dirname(cached)
+    derived = cached.replace(".safetensors", "-packed-float32-0123.safetensors")
+    other = os.path.join(folder, "other_gguf-" + "ab" * 16 + ".safetensors")
+    for path in (derived, other):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    assert same(api.load_target(model, tokenizer=False).params)
+    assert sorted(os.listdir(folder)) == sorted([os.path.basename(weights_cache.cache_file(model)),
+                                                 os.path.basename(other)])
 
 
 def test_hsd_warmup_then_generate_compiles_nothing_and_verbose_says_where_time_went(tmp_path):

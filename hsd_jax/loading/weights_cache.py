@@ -12,7 +12,8 @@ stale or corrupt: it is deleted and rebuilt from the source. Arrays derived from
 in files named by the same fingerprint and a variant naming what else they depend on; so are the
 arrays of a drafter's Orbax checkpoint (`api.load_drafter`: a folder, fingerprinted file by file),
 read back without importing Orbax.
-`HSD_JAX_WEIGHTS_CACHE=0` turns the cache off. Read with `safetensors` (no pickle); written to a
+Storing a file's weights removes the cache files of older versions of a file of that name (a
+reinstalled model: another fingerprint). `HSD_JAX_WEIGHTS_CACHE=0` turns the cache off. Read with `safetensors` (no pickle); written to a
 temporary file then renamed, so a concurrent reader never sees half a file.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import warnings
 
@@ -119,8 +121,28 @@ def load(path: str, expected: dict, mapped: bool = False) -> dict | None:
 
 
 def store(path: str, params: dict) -> None:
-    """Write the float32 param tree of `path` to the cache (best effort: a full disk only warns)."""
+    """Write the float32 param tree of `path` to the cache (best effort: a full disk only warns), and
+    remove the files of older versions of a file of that name (another fingerprint: a reinstalled
+    or edited model file), derived ones too, so reinstalls do not pile up gigabytes."""
     _write(path, "", {k: np.ascontiguousarray(v, np.float32) for k, v in flatten(params).items()})
+    _evict_older(path)
+
+
+def _evict_older(path: str) -> None:
+    from hsd_jax import distributed
+
+    if disabled() or not distributed.is_primary():
+        return
+    try:
+        fresh = fingerprint(path)
+        folder = os.path.dirname(cache_file(path, source=fresh))
+        name = re.escape(os.path.basename(path).replace(".", "_"))
+        older = re.compile(rf"{name}-(?!{fresh})[0-9a-f]{{32}}(-[^/]*)?\.safetensors")
+        for entry in os.listdir(folder):
+            if older.fullmatch(entry):
+                os.remove(os.path.join(folder, entry))
+    except OSError:
+        pass
 
 
 def load_derived(path: str, variant: str) -> dict | None:
