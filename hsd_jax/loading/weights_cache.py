@@ -124,17 +124,14 @@ def store(path: str, params: dict) -> None:
     """Write the float32 param tree of `path` to the cache (best effort: a full disk only warns), and
     remove the files of older versions of a file of that name (another fingerprint: a reinstalled
     or edited model file), derived ones too, so reinstalls do not pile up gigabytes."""
-    _write(path, "", {k: np.ascontiguousarray(v, np.float32) for k, v in flatten(params).items()})
-    _evict_older(path)
+    fresh = _write(path, "", {k: np.ascontiguousarray(v, np.float32) for k, v in flatten(params).items()})
+    if fresh is not None:
+        _evict_older(path, fresh)
 
 
-def _evict_older(path: str) -> None:
-    from hsd_jax import distributed
-
-    if disabled() or not distributed.is_primary():
-        return
+def _evict_older(path: str, fresh: str) -> None:
+    """Remove the cache files of `path`'s name under any fingerprint but `fresh`."""
     try:
-        fresh = fingerprint(path)
         folder = os.path.dirname(cache_file(path, source=fresh))
         name = re.escape(os.path.basename(path).replace(".", "_"))
         older = re.compile(rf"{name}-(?!{fresh})[0-9a-f]{{32}}(-[^/]*)?\.safetensors")
@@ -246,14 +243,15 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
-def _write(path: str, variant: str, flat: dict) -> None:
+def _write(path: str, variant: str, flat: dict) -> str | None:
     """Write flat arrays (those of dtypes safetensors' numpy API lacks, e.g. bfloat16, as unsigned
     integers of their width, their dtype in the header) to a temporary file, then rename it. Process
-    0 alone writes (a multi-process run's others only read, like every file the package writes)."""
+    0 alone writes (a multi-process run's others only read, like every file the package writes); returns
+    the source fingerprint it wrote under, None when it wrote nothing."""
     from hsd_jax import distributed
 
     if disabled() or not distributed.is_primary():
-        return
+        return None
     from safetensors.numpy import save_file
 
     dtypes = {k: v.dtype.name for k, v in flat.items() if v.dtype.kind not in "fiub"}
@@ -274,3 +272,5 @@ def _write(path: str, variant: str, flat: dict) -> None:
                 os.remove(tmp)
     except OSError as e:
         warnings.warn(f"could not write the weights cache: {e}", stacklevel=3)
+        return None
+    return source
