@@ -62,6 +62,19 @@ def commit_state(kind: str, run_dir: str, step: int) -> None:
     os.replace(tmp, dst)
 
 
+def seed_history(kind: str, run_dir: str) -> None:
+    """Start a new run directory's history.jsonl with the committed curve, so the curve a chunk commits
+    still spans every step (a new machine has no run directory of its own)."""
+    path = os.path.join(STATE, kind, "state.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        curve = json.load(f)["history"]
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "history.jsonl"), "w") as f:
+        f.writelines(json.dumps(point) + "\n" for point in curve)
+
+
 def ensure_text_data() -> None:
     for data_dir, args in TEXT_DATA.items():
         if not glob.glob(os.path.join(ROOT, data_dir, "shard_*.npz")):
@@ -74,6 +87,7 @@ def main() -> None:
     ap.add_argument("--runs", default=os.environ.get("HSD_CAMPAIGN_DIR", os.path.expanduser("~/hsd-campaign")))
     ap.add_argument("--chunk", type=int, default=500)
     ap.add_argument("--kinds", default="hsd,eagle")
+    ap.add_argument("--until", type=int, default=0, help="stop once every kind reaches this step (0: the config's steps)")
     a = ap.parse_args()
     os.chdir(ROOT)
     ensure_text_data()
@@ -92,15 +106,17 @@ def main() -> None:
             here, there = latest_checkpoint(cfg.out_dir), committed_step(kind)
             if there > here:   # a new machine (or an older local run): continue from the committed state
                 shutil.rmtree(cfg.out_dir, ignore_errors=True)
+                seed_history(kind, cfg.out_dir)
                 cfg = dataclasses.replace(cfg, init_from=os.path.join(STATE, kind, "drafter"), start_step=there)
             # the self-distilled sets (and the held-out rows) first; text sets join once their features are cached
             ready = [d for d in cfg.data_dirs if d not in TEXT_DATA or cache_complete(d, cfg.feature_cache)]
             cfg = dataclasses.replace(cfg, data_dir=tuple(ready))
             step = max(here, there)
-            if step >= cfg.steps:
+            end = min(cfg.steps, a.until or cfg.steps)
+            if step >= end:
                 continue
             pending += 1
-            until = min(cfg.steps, (step // a.chunk + 1) * a.chunk)
+            until = min(end, (step // a.chunk + 1) * a.chunk)
             t0 = time.time()
             final = train(cfg, target=target, until_step=until)
             commit_state(kind, cfg.out_dir, until)
