@@ -110,7 +110,8 @@ def main() -> None:
                 cfg = dataclasses.replace(cfg, init_from=os.path.join(STATE, kind, "drafter"), start_step=there)
             # the self-distilled sets (and the held-out rows) first; text sets join once their features are cached
             ready = [d for d in cfg.data_dirs if d not in TEXT_DATA or cache_complete(d, cfg.feature_cache)]
-            cfg = dataclasses.replace(cfg, data_dir=tuple(ready))
+            weights = tuple(w for d, w in zip(cfg.data_dirs, cfg.data_weights) if d in ready)
+            cfg = dataclasses.replace(cfg, data_dir=tuple(ready), data_weights=weights)
             step = max(here, there)
             end = min(cfg.steps, a.until or cfg.steps)
             if step >= end:

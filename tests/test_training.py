@@ -470,6 +470,14 @@ def test_added_data_dir_keeps_held_out_split_and_resumed_vocab(tmp_path, tiny, t
     assert len(two.rows) == 96 + 40
     assert set(one.holdout) == {i for i in two.holdout if i < 96}  # the first dir's split is unchanged
     assert not set(two.holdout) & set(two.train) and len(two.holdout) + len(two.train) == 136
+    # data_weights: a directory's share of the rows drawn follows its weight, not its size (~29% here)
+    rng = np.random.default_rng(0)
+    drawn = two.sample_train(rng, 4000, (1.0, 3.0))
+    assert set(drawn) <= set(two.train) and abs(np.mean(drawn >= 96) - 0.75) < 0.03
+    assert np.all(two.sample_train(rng, 50, (0.0, 1.0)) >= 96)
+    # no weights: the draws earlier runs made (a resumed campaign keeps its data positions)
+    np.testing.assert_array_equal(two.sample_train(np.random.default_rng(5), 8),
+                                  np.random.default_rng(5).choice(two.train, size=8, replace=False))
 
     cfg = _cfg(tmp_path, tiny_data, steps=20, draft_vocab_size=16)
     train(cfg, target=tiny, progress=False, log=lambda *_: None)
@@ -485,6 +493,13 @@ def test_added_data_dir_keeps_held_out_split_and_resumed_vocab(tmp_path, tiny, t
     assert json.load(open(os.path.join(grown.out_dir, "drafter", "drafter.json")))["config"]["feature_rms"] == 1.5
     with pytest.raises(ConfigError, match="data_dir must be"):
         _cfg(tmp_path, [tiny_data, ""])
+    for bad in ([1.0], [1.0, -1.0], [0, 0], 2.0, [1.0, "x"]):
+        with pytest.raises(ConfigError, match="data_weights"):
+            _cfg(tmp_path, [tiny_data, str(more)], data_weights=bad)
+    weighted = _cfg(tmp_path, [tiny_data, str(more)], steps=2, draft_vocab_size=16, data_weights=[0, 1],
+                    out_dir=str(tmp_path / "weighted"))
+    assert weighted.data_weights == (0.0, 1.0)
+    train(weighted, target=tiny, progress=False, log=lambda *_: None)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -628,3 +643,24 @@ def test_a_run_in_chunks_and_continued_on_a_new_machine(tmp_path, tiny, tiny_dat
         _cfg(tmp_path, tiny_data, start_step=5)
     with pytest.raises(ConfigError, match="compute_dtype"):
         _cfg(tmp_path, tiny_data, compute_dtype="float16")
+
+
+def test_campaign_new_machine_keeps_committed_curve(tmp_path, monkeypatch):
+    """scripts/campaign.py on a machine without the run directory: the chunk it commits next still holds
+    the curve committed before (the run directory's history.jsonl starts with it)."""
+    import scripts.campaign as campaign
+
+    monkeypatch.setattr(campaign, "STATE", str(tmp_path / "state"))
+    curve = [{"step": 0, "accept_by_depth": [0.4]}, {"step": 250, "accept_by_depth": [0.45]}]
+    os.makedirs(tmp_path / "state" / "hsd")
+    json.dump({"kind": "hsd", "step": 250, "history": curve}, open(tmp_path / "state" / "hsd" / "state.json", "w"))
+    run = tmp_path / "runs" / "hsd"
+    campaign.seed_history("hsd", str(run))
+    with open(run / "history.jsonl", "a") as f:   # what train() appends after its chunk
+        f.write(json.dumps({"step": 500, "accept_by_depth": [0.5]}) + "\n")
+    os.makedirs(run / "drafter")
+    campaign.commit_state("hsd", str(run), 500)
+    state = json.load(open(tmp_path / "state" / "hsd" / "state.json"))
+    assert state["step"] == 500 and [p["step"] for p in state["history"]] == [0, 250, 500]
+    campaign.seed_history("eagle", str(tmp_path / "runs" / "eagle"))   # nothing committed: nothing seeded
+    assert not os.path.exists(tmp_path / "runs" / "eagle")

@@ -35,6 +35,8 @@ class TrainConfig:
     kind: str = "hsd"
     model: str = "smollm2-135m"
     data_dir: str | tuple = ""  # one data directory or a list of them
+    data_weights: tuple = ()  # one sampling weight per data directory: its share of the training rows drawn
+    #                           (empty: every training row equally likely, so a directory's share is its size)
     out_dir: str = ""
     feature_cache: str = ""
     steps: int = 1000
@@ -94,6 +96,14 @@ class TrainConfig:
             raise ConfigError(f"eagle3 fuses 3 target layers (low, mid, high), got {self.feature_layers}")
         if not self.data_dir or not all(isinstance(d, str) and d for d in self.data_dirs):
             raise ConfigError(f"data_dir must be a directory or a list of them, got {self.data_dir!r}")
+        if isinstance(self.data_weights, (int, float, str)) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) for w in self.data_weights):
+            raise ConfigError(f"data_weights must be a list of numbers, got {self.data_weights!r}")
+        object.__setattr__(self, "data_weights", tuple(float(w) for w in self.data_weights))
+        if self.data_weights and (len(self.data_weights) != len(self.data_dirs) or min(self.data_weights) < 0
+                                  or sum(self.data_weights) <= 0):
+            raise ConfigError(f"data_weights needs one weight >= 0 per data directory ({len(self.data_dirs)}), "
+                              f"not all 0, got {list(self.data_weights)}")
         if not self.out_dir:
             raise ConfigError("out_dir is required")
         for name in ("steps", "batch_size", "window", "unroll", "ce_positions", "save_every", "eval_every",
@@ -170,6 +180,7 @@ class SequenceData:
         self.window = window
         self.rows = []  # (tokens, features memmap, row in the shard, prompt_len, aux memmap, labels memmap); None: absent
         hold, train = [], []
+        self.train_by_dir = train   # each directory's training rows (indices into self.rows), in data_dirs order
         for data_dir in [data_dirs] if isinstance(data_dirs, str) else data_dirs:
             first, own_labels = len(self.rows), False
             for shard in shard_paths(data_dir):
@@ -193,6 +204,17 @@ class SequenceData:
             raise DataError("no held-out rows: at least one data directory must hold the target's own answers "
                             "(`hsd data generate`)")
         self.holdout, self.train = np.concatenate(hold), np.concatenate(train)
+
+    def sample_train(self, rng: np.random.Generator, n: int, weights=()) -> np.ndarray:
+        """n training rows drawn by rng: uniformly over all of them, or with `weights` (one per data
+        directory) first a directory by its weight, then a row of it uniformly."""
+        if not weights:
+            return rng.choice(self.train, size=n, replace=len(self.train) < n)
+        p = np.asarray(weights, np.float64) * np.array([len(t) > 0 for t in self.train_by_dir])
+        if p.sum() <= 0:
+            raise DataError("data_weights give every data directory with training rows weight 0")
+        dirs = rng.choice(len(p), size=n, p=p / p.sum())
+        return np.array([rng.choice(self.train_by_dir[d]) for d in dirs])
 
     def batch(self, idx) -> losses.Batch:
         """Right-aligned windows (the last `window` tokens hold the response) of rows idx."""
@@ -581,8 +603,8 @@ def train(cfg: TrainConfig, *, target=None, mesh=None, progress: bool = True, lo
         log(f"untrained: {history[-1]}")
 
     def host_batch(step):
-        rng = np.random.default_rng([cfg.seed, step])
-        return data.batch(rng.choice(data.train, size=cfg.batch_size, replace=len(data.train) < cfg.batch_size))
+        return data.batch(data.sample_train(np.random.default_rng([cfg.seed, step]), cfg.batch_size,
+                                            cfg.data_weights))
 
     bar = tqdm(total=stop, initial=start, desc=f"train {cfg.kind}", disable=not progress)
     train_t0 = rate_t0 = time.time()
