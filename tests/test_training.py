@@ -648,8 +648,12 @@ def test_a_run_in_chunks_and_continued_on_a_new_machine(tmp_path, tiny, tiny_dat
 def test_campaign_new_machine_keeps_committed_curve(tmp_path, monkeypatch):
     """scripts/campaign.py on a machine without the run directory: the chunk it commits next still holds
     the curve committed before (the run directory's history.jsonl starts with it)."""
-    import scripts.campaign as campaign
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("campaign", os.path.join(os.path.dirname(__file__), "..",
+                                                                           "scripts", "campaign.py"))
+    campaign = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(campaign)
     monkeypatch.setattr(campaign, "STATE", str(tmp_path / "state"))
     curve = [{"step": 0, "accept_by_depth": [0.4]}, {"step": 250, "accept_by_depth": [0.45]}]
     os.makedirs(tmp_path / "state" / "hsd")
