@@ -572,7 +572,8 @@ def test_text_rows_train_on_the_target_s_own_labels(tmp_path, tiny, tiny_data):
     token at every position, batches carry it, the loss drafts it; their held-out rows are never evaluated."""
     from hsd_jax.train import losses
     from hsd_jax.train.data import has_target_labels, shard_paths, write_text_data
-    from hsd_jax.train.features import _features, build_feature_cache, cache_complete, label_path
+    from hsd_jax.train.features import (FEATURE_SPAN, _features, build_feature_cache, cache_complete,
+                                        feature_path, label_path)
     from hsd_jax.train.trainer import SequenceData
     from tests.helpers import jax_logits
 
@@ -593,6 +594,18 @@ def test_text_rows_train_on_the_target_s_own_labels(tmp_path, tiny, tiny_data):
         row, n = z["tokens"][0], int(z["lengths"][0])
     lab = np.load(label_path(cache, shards[0]))
     np.testing.assert_array_equal(lab[0, :n], np.argmax(jax_logits(tiny.params, tiny.config, row[None, :n])[0], -1))
+    # rows of several lengths prefill in batches padded to their own longest: each row's cached features
+    # are its own forward's (alone, padded past its end)
+    with np.load(shards[0]) as z:
+        toks0, lens0 = z["tokens"], z["lengths"]
+    assert len(set(lens0.tolist())) > 4
+    cached = np.load(feature_path(cache, shards[0]))
+    alone = np.zeros((len(toks0), FEATURE_SPAN * -(-toks0.shape[1] // FEATURE_SPAN)), np.int32)
+    for r, m in enumerate(lens0):
+        alone[r, :m] = toks0[r, :m]
+    ref = np.asarray(_features(tiny.params, tiny.config, jnp.asarray(alone))[0], np.float32)
+    for r, m in enumerate(lens0):
+        np.testing.assert_allclose(cached[r, :m], ref[r, :m], atol=2e-3, rtol=2e-3)
 
     data = SequenceData([tiny_data, text], cache, 40, 0.15, seed=0)
     assert set(data.holdout) == set(SequenceData(tiny_data, cache, 40, 0.15, seed=0).holdout)  # text: none held out

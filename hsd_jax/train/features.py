@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsd_jax.api import PROMPT_BUCKET, round_up
+
+FEATURE_SPAN = 4 * PROMPT_BUCKET   # a feature prefill's width is a multiple of this (64 tokens)
 from hsd_jax.cache import init_cache
 from hsd_jax.config import ConfigError
 from hsd_jax.models import llama
@@ -125,18 +127,25 @@ def build_feature_cache(target, data_dir: str, cache_dir: str, batch_size: int =
         lab_out = label_path(cache_dir, shard) if has_target_labels(shard) else None
         if distributed.agree(all(os.path.exists(p) for p in cache_files(cache_dir, shard, layers))):
             continue
-        tokens = read_shard(shard)[0]
+        tokens, lengths, _ = read_shard(shard)
         n, length = tokens.shape
-        padded = np.zeros((n, round_up(length, PROMPT_BUCKET)), np.int32)
-        padded[:, :length] = tokens
         feats = np.zeros((n, length, cfg.hidden_size), np.float16)
         aux = np.zeros((n, length, len(layers), cfg.hidden_size), np.float16)
         labels = np.zeros((n, length if lab_out else 0), np.int32)
+        # rows of similar length prefill together, each batch padded to its own longest row (in steps of
+        # FEATURE_SPAN, few shapes to compile), not the shard's: GSM8K's reference answers average half their
+        # shard's width. Positions past a row's length are never read; they stay 0.
+        order = np.argsort(lengths, kind="stable")
         for i in range(0, n, batch_size):
-            f, a, lab = fetch(_features(target.params, cfg, padded[i: i + batch_size], low, lab_out is not None))
-            feats[i: i + batch_size] = f[:, :length]
-            aux[i: i + batch_size] = a[:, :length]
-            labels[i: i + batch_size] = lab[:, :labels.shape[1]]
+            rows = order[i: i + batch_size]
+            span = min(length, int(lengths[rows].max()))
+            padded = np.zeros((len(rows), round_up(max(span, 1), FEATURE_SPAN)), np.int32)
+            padded[:, :span] = tokens[rows, :span]
+            f, a, lab = fetch(_features(target.params, cfg, padded, low, lab_out is not None))
+            feats[rows, :span] = f[:, :span]
+            aux[rows, :span] = a[:, :span]
+            if lab_out:
+                labels[rows, :span] = lab[:, :span]
         if distributed.is_primary():
             if not os.path.exists(out):
                 _save(out, feats)
