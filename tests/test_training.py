@@ -572,8 +572,14 @@ def test_text_rows_train_on_the_target_s_own_labels(tmp_path, tiny, tiny_data):
     token at every position, batches carry it, the loss drafts it; their held-out rows are never evaluated."""
     from hsd_jax.train import losses
     from hsd_jax.train.data import has_target_labels, shard_paths, write_text_data
-    from hsd_jax.train.features import (FEATURE_SPAN, _features, build_feature_cache, cache_complete,
-                                        feature_path, label_path)
+    from hsd_jax.train.features import (
+        FEATURE_SPAN,
+        _features,
+        build_feature_cache,
+        cache_complete,
+        feature_path,
+        label_path,
+    )
     from hsd_jax.train.trainer import SequenceData
     from tests.helpers import jax_logits
 
