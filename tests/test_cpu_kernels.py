@@ -36,6 +36,52 @@ def test_stacked_matmul_equals_the_dot_for_every_row_count_and_layer():
                                    rtol=1e-5, atol=1e-5)
 
 
+
+def _pairs_reference_check(run, rng):
+    """`run(x, packed, layer, active)` on `pack_pairs` weights equals the float64 product of the bf16
+    values (x rounded to bf16), for odd and even d, every row count and layer, inactive rows 0."""
+    for d in (64, 77):
+        w = rng.normal(0, 0.05, (2, d, 96)).astype(np.float32)
+        packed = jnp.asarray(cpu_kernels.pack_pairs(w))
+        assert packed.shape == (2, 3, (d + 1) // 2, 64) and packed.dtype == jnp.bfloat16
+        wb = np.asarray(jnp.asarray(w).astype(jnp.bfloat16), np.float64)
+        for n in (1, 3, 8, 9, 16):
+            x = rng.normal(0, 1, (n, d)).astype(np.float32)
+            xb = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64)
+            active = rng.random(n) < 0.7
+            for layer in range(2):
+                want = np.where(active[:, None], xb @ wb[layer], 0)
+                np.testing.assert_allclose(np.asarray(run(x, packed, layer, active)), want, rtol=1e-5, atol=1e-5)
+
+
+@built
+def test_the_pairs_layout_equals_the_bf16_product():
+    """The head screen's layout (AVX-512 BF16 dot products where the CPU has them)."""
+    _pairs_reference_check(jax.jit(cpu_kernels.stacked_matmul), np.random.default_rng(5))
+
+
+@built
+def test_the_pairs_layout_without_bf16_dot_products_widens_to_the_same_product(tmp_path):
+    """The same kernel built without AVX-512 BF16 (the path other CPUs take) gives the same products."""
+    from hsd_jax import kernel_build
+
+    lib_path = str(tmp_path / "widened.so")
+    src = os.path.join(kernel_build.HERE, "stacked_matmul.cc")
+    subprocess.run(["g++", *kernel_build.FLAGS, "-mno-avx512bf16", f"-I{kernel_build.include_dir()}", "-shared", src,
+                    "-o", lib_path], check=True, capture_output=True, timeout=300)
+    import ctypes
+
+    lib = ctypes.cdll.LoadLibrary(lib_path)
+    assert lib.HsdBF16DotProducts() == 0
+    jax.ffi.register_ffi_target("hsd_test_pairs_widened", jax.ffi.pycapsule(lib.StackedMatmulPairsBF16), platform="cpu")
+
+    def run(x, packed, layer, active):
+        return jax.ffi.ffi_call("hsd_test_pairs_widened", jax.ShapeDtypeStruct((x.shape[0], packed.shape[1] * 32),
+                                                                               jnp.float32))(
+            jnp.asarray(x), packed, jnp.asarray([layer], jnp.int32), jnp.asarray(active, jnp.int32))
+
+    _pairs_reference_check(run, np.random.default_rng(6))
+
 @built
 @pytest.mark.parametrize("head_dim,hq,hkv", [(16, 4, 2), (64, 9, 3), (96, 4, 2), (128, 2, 1)])
 def test_tree_attention_equals_the_reference(head_dim, hq, hkv):
@@ -64,8 +110,8 @@ def test_tree_attention_equals_the_reference(head_dim, hq, hkv):
 
 
 def kernel_calls(texts) -> int:
-    """Matmul kernel calls (f32 and bf16 weights) in compiled programs' text."""
-    return sum(txt.count('"hsd_stacked_matmul_packed') for txt in texts)
+    """Matmul kernel calls (f32 and bf16 weights, either layout) in compiled programs' text."""
+    return sum(txt.count('"hsd_stacked_matmul_packed') + txt.count('"hsd_stacked_matmul_pairs') for txt in texts)
 
 
 @built
@@ -92,7 +138,7 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
     assert texts["0"][0] == texts["1"][0]
     for target in cpu_kernels.TARGETS:       # quoted: one target's name is a prefix of another's
         assert all(f'"{target}"' not in txt for txt in texts["0"][1])
-        if target != "hsd_tree_attention_bf16":    # a bf16 cache's: the bf16 tests below
+        if target not in ("hsd_tree_attention_bf16", "hsd_stacked_matmul_packed_bf16"):   # bf16 targets': below
             assert all(f'"{target}"' in txt for txt in texts["1"][1])     # decode and verify both run it
     # the drafter's layer and draft head run the kernel too: the same tokens, more kernel calls than
     # with the drafter's params as loaded (the target's alone)

@@ -48,6 +48,7 @@ from hsd_jax import kernel_build
 COLS = 32           # the kernel's column tile (the packed layout's last axis)
 MAX_ROWS = 64       # forwards up to this many rows (batch x new tokens): measured faster than XLA up to 64
 TARGETS = {"hsd_stacked_matmul_packed": "StackedMatmulPacked", "hsd_stacked_matmul_packed_bf16": "StackedMatmulPackedBF16",
+           "hsd_stacked_matmul_pairs_bf16": "StackedMatmulPairsBF16",
            "hsd_tree_attention": "TreeAttention", "hsd_tree_attention_bf16": "TreeAttentionBF16"}
 DTYPES = (jnp.float32, jnp.bfloat16)   # the weight and cache dtypes the kernels read
 
@@ -109,6 +110,24 @@ def pack(w, dtype=np.float32) -> np.ndarray:
     return np.ascontiguousarray(tiles.astype(dtype))
 
 
+def pack_pairs(w) -> np.ndarray:
+    """[L, d, f] -> bf16 [L, f / 32, ceil(d / 2), 64]: each 32-column tile's rows in pairs along d, as
+    AVX-512 BF16 dot products read them (row p: columns 0-15, then 16-31, each as the bf16 pair
+    (w[2p, c], w[2p + 1, c]); an odd d padded with a zero row). For inputs that are bf16 values:
+    `stacked_matmul` rounds them to bf16."""
+    w = np.asarray(w, np.float32)
+    L, d, f = w.shape
+    w = np.pad(w, ((0, 0), (0, d % 2), (0, 0)))
+    tiles = w.reshape(L, -1, 2, f // COLS, 2, COLS // 2).transpose(0, 3, 1, 4, 5, 2)   # [L, t, p, half, c, k]
+    return np.ascontiguousarray(tiles.reshape(L, f // COLS, -1, 2 * COLS).astype(jnp.bfloat16))
+
+
+def bf16_dot_products() -> bool:
+    """Whether the built kernel has AVX-512 BF16 dot products (the pairs layout's fast path; without
+    them it widens the pairs and sums with FMAs: same results up to f32 summation order)."""
+    return enabled() and bool(ctypes.cdll.LoadLibrary(kernel_build.library_path()).HsdBF16DotProducts())
+
+
 def pack_head(weight, dtype) -> np.ndarray:
     """An LM head [d, V] as [1, ceil(V / 32), d, 32] in `dtype`, the vocabulary zero-padded to
     whole column tiles (`stacked_matmul`'s output then has V rounded up to 32 columns)."""
@@ -117,8 +136,10 @@ def pack_head(weight, dtype) -> np.ndarray:
 
 
 def pack_head_screen(embedding) -> np.ndarray:
-    """The bf16 screen of a tied f32 LM head (`llama.screened_argmax`) from the embedding [V, d]."""
-    return pack_head(np.asarray(embedding, np.float32).T, jnp.bfloat16)
+    """The bf16 screen of a tied f32 LM head (`llama.screened_argmax`) from the embedding [V, d], in
+    pairs (`pack_pairs`; its inputs are bf16 values), the vocabulary zero-padded to whole column tiles."""
+    e = np.asarray(embedding, np.float32)
+    return pack_pairs(np.pad(e.T, ((0, 0), (0, -e.shape[0] % COLS)))[None])
 
 
 def pack_layers(layers: dict, dtype=None) -> dict:
@@ -141,10 +162,14 @@ def pack_layers(layers: dict, dtype=None) -> dict:
 
 def stacked_matmul(x, packed, layer, active=None):
     """x [N, d] @ the layer's [d, f] weights from their packed stack [L, f / 32, d, 32] (f32 or
-    bf16 weights; f32 products and sums either way). `active` [N] bool: only those rows are
-    computed, the others come out 0 (default: all)."""
+    bf16 weights; f32 products and sums either way) or [L, f / 32, ceil(d / 2), 64] (`pack_pairs`:
+    x rounded to bf16). `active` [N] bool: only those rows are computed, the others come out 0
+    (default: all)."""
     f = packed.shape[1] * COLS
-    target = "hsd_stacked_matmul_packed_bf16" if packed.dtype == jnp.bfloat16 else "hsd_stacked_matmul_packed"
+    if packed.shape[-1] == 2 * COLS:
+        target = "hsd_stacked_matmul_pairs_bf16"
+    else:
+        target = "hsd_stacked_matmul_packed_bf16" if packed.dtype == jnp.bfloat16 else "hsd_stacked_matmul_packed"
     active = jnp.ones((x.shape[0],), jnp.int32) if active is None else jnp.asarray(active).astype(jnp.int32)
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], f), jnp.float32))(
         x.astype(jnp.float32), packed, jnp.asarray(layer, jnp.int32).reshape(1), active)

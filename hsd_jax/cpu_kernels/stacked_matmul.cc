@@ -2,11 +2,17 @@
 // XLA:CPU copies a layer's weights out of the [L, d, f] stack before its GEMM when N > 1 (BENCHMARKS.md,
 // "Why the CPU kernels"); this XLA FFI handler reads them where they are, each weight once for all N rows, from
 // the plain [L, d, f] layout or, streamed in order, from [L, f / 32, d, 32] (f32, or bf16 widened exactly: a bf16
-// model's layers and LM head, the f32 LM head's screen). Threads: XLA's intra-op pool.
+// model's layers and LM head), or from [L, f / 32, d / 2, 64]: bf16 pairs along d for AVX-512 BF16 dot products
+// (the f32 LM head's screen, whose inputs are bf16 values). Threads: XLA's intra-op pool.
 // Rows whose `active` flag is 0 are skipped and come out 0 (a verify narrower than its static shape).
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -20,6 +26,12 @@ constexpr int64_t kCols = 32, kRows = 8;
 #define HSD_AHEAD 128
 #endif
 constexpr int64_t kAhead = HSD_AHEAD;   // software prefetch distance in tile rows (bf16 tiles: 64 bytes a row, 8 KB ahead)
+#ifndef HSD_PAIRS_AHEAD
+#define HSD_PAIRS_AHEAD 0
+#endif
+// The pairs layout's, in pair rows (128 bytes each): none. On an Intel Xeon with AVX-512 BF16 (2 cores), the
+// head screen at 2-16 rows took 0.65-0.93x the time without it (benchmarks/verify_cost.py).
+constexpr int64_t kPairsAhead = HSD_PAIRS_AHEAD;
 
 // 32 consecutive weights as two f32 vectors (columns 0-15 and 16-31 of the tile): f32 as stored; bf16 widened
 // exactly, stored with the two halves interleaved (columns 0, 16, 1, 17, ...: `cpu_kernels.pack`) so that each
@@ -61,20 +73,89 @@ static void Tile(const float* X, const T* W, int64_t ws, float* Y, int64_t d, in
   }
 }
 
-template <bool kPacked, ffi::DataType kW, typename T>
+// The pairs layout: each 32-column tile stores d / 2 rows of 64 bf16, row p holding, for columns c = 0-15 then
+// 16-31, the pair (w[2p][c], w[2p + 1][c]) in one 32-bit lane (low half: the even k), as AVX-512 BF16's dot
+// product (and AMX's VNNI tiles) read them; XP holds each row's inputs as the same bf16 pairs. With AVX-512 BF16
+// one instruction does two multiply-adds per lane (bf16 x bf16 products are exact in f32; f32 sums, denormals
+// flushed); without it the pairs are widened exactly and summed with FMAs (same products, another order).
+template <int R>
+static void TilePairs(const uint32_t* XP, const uint16_t* W, float* Y, int64_t dp, int64_t f, int64_t r0, int64_t j) {
+  v16 acc[R][2] = {};
+  for (int64_t p = 0; p < dp; ++p) {
+    if (R > 1 && kPairsAhead > 0) __builtin_prefetch(W + (p + kPairsAhead) * 2 * kCols, 0, 0);
+    const uint16_t* wp = W + p * 2 * kCols;
+#if defined(__AVX512BF16__)
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + kCols);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(XP[(r0 + r) * dp + p]));
+      acc[r][0] = (v16)_mm512_dpbf16_ps((__m512)acc[r][0], w0, xb);
+      acc[r][1] = (v16)_mm512_dpbf16_ps((__m512)acc[r][1], w1, xb);
+    }
+#else
+    v16 e0, o0, e1, o1;
+    LoadW(wp, e0, o0);
+    LoadW(wp + kCols, e1, o1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint32_t u = XP[(r0 + r) * dp + p];
+      const uint32_t lo = u << 16, hi = u & 0xFFFF0000u;
+      float xe, xo;
+      __builtin_memcpy(&xe, &lo, 4);
+      __builtin_memcpy(&xo, &hi, 4);
+      acc[r][0] += xe * e0 + xo * o0;
+      acc[r][1] += xe * e1 + xo * o1;
+    }
+#endif
+  }
+  for (int r = 0; r < R; ++r) {
+    __builtin_memcpy(Y + (r0 + r) * f + j, &acc[r][0], sizeof(v16));
+    __builtin_memcpy(Y + (r0 + r) * f + j + 16, &acc[r][1], sizeof(v16));
+  }
+}
+
+// f32 -> bf16 bits, rounded to nearest even (exact for an input that is already a bf16 value)
+static inline uint32_t ToBF16(float v) {
+  uint32_t u;
+  __builtin_memcpy(&u, &v, 4);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+// Calls fn(std::integral_constant<int, R>) for a register tile of R = min(8, n) rows.
+template <typename F>
+static inline void ForRows(int64_t n, const F& fn) {
+  switch (std::min(kRows, n)) {
+    case 1: fn(std::integral_constant<int, 1>()); break;
+    case 2: fn(std::integral_constant<int, 2>()); break;
+    case 3: fn(std::integral_constant<int, 3>()); break;
+    case 4: fn(std::integral_constant<int, 4>()); break;
+    case 5: fn(std::integral_constant<int, 5>()); break;
+    case 6: fn(std::integral_constant<int, 6>()); break;
+    case 7: fn(std::integral_constant<int, 7>()); break;
+    default: fn(std::integral_constant<int, 8>()); break;
+  }
+}
+
+enum Layout { kPlain, kPacked, kPairs };
+
+template <Layout kL, ffi::DataType kW, typename T>
 static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kW> w, ffi::Buffer<ffi::S32> layer,
                                     ffi::Buffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  // plain: w [L, d, f]; packed: w [L, f / 32, d, 32] (each column tile contiguous)
-  const bool ok = kPacked ? (wd.size() == 4 && wd[3] == kCols && xd.size() == 2 && xd[1] == wd[2])
-                          : (wd.size() == 3 && xd.size() == 2 && xd[1] == wd[1]);
+  // plain: w [L, d, f]; packed: w [L, f / 32, d, 32] (each column tile contiguous); pairs: [L, f / 32, ceil(d / 2), 64]
+  constexpr bool kPackedTiles = kL != kPlain;
+  bool ok = xd.size() == 2 && wd.size() == (kPackedTiles ? 4u : 3u);
+  if (ok && kL == kPlain) ok = xd[1] == wd[1];
+  if (ok && kL == kPacked) ok = wd[3] == kCols && xd[1] == wd[2];
+  if (ok && kL == kPairs) ok = wd[3] == 2 * kCols && (xd[1] + 1) / 2 == wd[2];
   if (!ok || active.element_count() != xd[0]) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "stacked_matmul: bad shapes");
-  const int64_t d = xd[1], f = kPacked ? wd[1] * kCols : wd[2];
+  const int64_t d = xd[1], f = kPackedTiles ? wd[1] * kCols : wd[2], dp = (d + 1) / 2;
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error(ffi::ErrorCode::kOutOfRange, "stacked_matmul: layer out of range");
-  const T* W = reinterpret_cast<const T*>(w.untyped_data()) + l * d * f;
-  const int64_t ws = kPacked ? kCols : f;
+  const int64_t tile_size = kL == kPairs ? dp * 2 * kCols : d * kCols;   // weights per packed column tile
+  const T* W = reinterpret_cast<const T*>(w.untyped_data()) + l * (f / kCols) * tile_size;
+  const int64_t ws = kL == kPacked ? kCols : f;
   // the active rows, gathered into a contiguous block when some are not
   const int32_t* act = active.typed_data();
   std::vector<int64_t> rows;
@@ -90,29 +171,27 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   }
   const float* X = all ? x.typed_data() : xa.data();
   float* Y = all ? y->typed_data() : ya.data();
+  std::vector<uint32_t> xp(kL == kPairs ? n * dp : 0);   // the pairs layout's inputs, as bf16 pairs
+  for (int64_t r = 0; kL == kPairs && r < n; ++r)
+    for (int64_t p = 0; p < dp; ++p)
+      xp[r * dp + p] = ToBF16(X[r * d + 2 * p]) | (2 * p + 1 < d ? ToBF16(X[r * d + 2 * p + 1]) << 16 : 0u);
   // Register tiles of up to 8 rows x 32 columns; each w tile (d x 32) is streamed from memory once.
   // The column tiles are split over XLA's intra-op thread pool (parallel.h).
   const int64_t tiles = f / kCols;
   auto run = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const T* tile = kPacked ? W + t * d * kCols : W + t * kCols;
+      const T* tile = kPackedTiles ? W + t * tile_size : W + t * kCols;
       for (int64_t r0 = 0; r0 < n; r0 += kRows) {
-        switch (std::min(kRows, n - r0)) {
-          case 1: Tile<1>(X, tile, ws, Y, d, f, r0, t * kCols); break;
-          case 2: Tile<2>(X, tile, ws, Y, d, f, r0, t * kCols); break;
-          case 3: Tile<3>(X, tile, ws, Y, d, f, r0, t * kCols); break;
-          case 4: Tile<4>(X, tile, ws, Y, d, f, r0, t * kCols); break;
-          case 5: Tile<5>(X, tile, ws, Y, d, f, r0, t * kCols); break;
-          case 6: Tile<6>(X, tile, ws, Y, d, f, r0, t * kCols); break;
-          case 7: Tile<7>(X, tile, ws, Y, d, f, r0, t * kCols); break;
-          default: Tile<8>(X, tile, ws, Y, d, f, r0, t * kCols); break;
-        }
+        ForRows(n - r0, [&](auto rows) {
+          if constexpr (kL == kPairs) TilePairs<decltype(rows)::value>(xp.data(), tile, Y, dp, f, r0, t * kCols);
+          else Tile<decltype(rows)::value>(X, tile, ws, Y, d, f, r0, t * kCols);
+        });
       }
     }
   };
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), tiles));
   ParallelFor(pool, parts, parts - 1, [&](int64_t p) { run(p * tiles / parts, (p + 1) * tiles / parts); });
-  for (int64_t j = tiles * kCols; j < f; ++j) {      // columns past the last full tile (plain layout only)
+  for (int64_t j = tiles * kCols; kL == kPlain && j < f; ++j) {      // columns past the last full tile (plain layout only)
     for (int64_t r = 0; r < n; ++r) {
       float s = 0.0f;
       for (int64_t k = 0; k < d; ++k) s += X[r * d + k] * static_cast<float>(W[k * f + j]);
@@ -136,7 +215,18 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
       .Arg<ffi::Buffer<ffi::S32>>()               \
       .Ret<ffi::Buffer<ffi::F32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmul, (StackedMatmulImpl<false, ffi::F32, float>), HSD_BIND(ffi::F32));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPacked, (StackedMatmulImpl<true, ffi::F32, float>), HSD_BIND(ffi::F32));
-// bf16 weights (a bf16 model's layers and head; the f32 head's screen, `llama.screened_argmax`): half the bytes, widened in registers
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPackedBF16, (StackedMatmulImpl<true, ffi::BF16, uint16_t>), HSD_BIND(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmul, (StackedMatmulImpl<kPlain, ffi::F32, float>), HSD_BIND(ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPacked, (StackedMatmulImpl<kPacked, ffi::F32, float>), HSD_BIND(ffi::F32));
+// bf16 weights (a bf16 model's layers and head): half the bytes, widened in registers
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPackedBF16, (StackedMatmulImpl<kPacked, ffi::BF16, uint16_t>), HSD_BIND(ffi::BF16));
+// bf16 weights in pairs, bf16 inputs (the f32 head's screen, `llama.screened_argmax`): AVX-512 BF16 dot products
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPairsBF16, (StackedMatmulImpl<kPairs, ffi::BF16, uint16_t>), HSD_BIND(ffi::BF16));
+
+// 1 when this build has AVX-512 BF16 dot products (the pairs layout's fast path), else 0
+extern "C" int HsdBF16DotProducts() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}

@@ -253,7 +253,8 @@ class HeadScreen(NamedTuple):
 SCREEN_CANDIDATES = 16
 # A bf16 x bf16 product is exact in f32, so the screen's error is the two roundings (bounded by the
 # norms above, Cauchy-Schwarz) plus f32 accumulation over d terms; the certificate doubles that bound
-# and adds 1e-3 so that a backend's blocked or fused accumulation stays inside it.
+# and adds 1e-3 so that a backend's blocked or fused accumulation (AVX-512 BF16's paired products, their
+# denormals flushed, included) stays inside it.
 SCREEN_SAFETY, SCREEN_SLACK = 2.0, 1e-3
 
 
