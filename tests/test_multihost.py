@@ -53,6 +53,23 @@ def _record_writes(log: list) -> None:
     sys.addaudithook(hook)
 
 
+def _emit(result: dict) -> None:
+    """One stdout write per result line: gloo's C++ logging shares the descriptor, and with
+    PYTHONUNBUFFERED a print's text and its newline are two writes it can land between."""
+    os.write(1, (json.dumps(result) + "\n").encode())
+
+
+def _result(out: str) -> dict | None:
+    """The last JSON object of a worker's stdout, wherever gloo's log lines fell around it."""
+    found = None
+    for line in out.splitlines():
+        start = line.find('{"')
+        if start >= 0:
+            with contextlib.suppress(json.JSONDecodeError):
+                found = json.JSONDecoder().raw_decode(line[start:])[0]
+    return found
+
+
 def work_run(model_dir: str, out: str) -> dict:
     """The same run in every layout: ar and hsd at T=0 and T=1, self-distilled data, two training
     steps then a resumed third, a bench JSON and a tuned file, all on a 2x4 mesh."""
@@ -116,7 +133,7 @@ def work_fault(kind: str) -> dict:
         "data", "model")))
     f = jax.jit(lambda a: jnp.sum(a * a))
     out = [float(f(x))]
-    print(json.dumps({"first": out[0]}), flush=True)
+    _emit({"first": out[0]})
     if kind == "kill" and jax.process_index() == 1:
         os.kill(os.getpid(), 9)
     for _ in range(200):
@@ -132,10 +149,10 @@ def worker(mode: str, *args) -> None:
         try:
             maybe_initialize_distributed()
         except Exception as e:   # the start-up errors under test: print them as the CLI does
-            print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+            _emit({"error": f"{type(e).__name__}: {e}"})
             sys.exit(3)
         rep = work_run(*args) if mode == "run" else work_fault(*args)
-    print(json.dumps(rep), flush=True)
+    _emit(rep)
 
 
 def free_port() -> int:
@@ -176,8 +193,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, dict | None, st
     for f in proc.outputs:
         f.seek(0)
     out, err = (f.read() for f in proc.outputs)
-    lines = [ln for ln in out.strip().splitlines() if ln.startswith("{")]
-    return proc.returncode, (json.loads(lines[-1]) if lines else None), err, seconds
+    return proc.returncode, _result(out), err, seconds
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +218,14 @@ def runs(tmp_path_factory):
     out["dirs"] = {"single": str(base / "single"), "multi": str(base / "multi"),
                    "multi_cache": str(base / "multi-cache")}
     return out
+
+
+def test_a_result_line_is_read_whatever_gloo_logs_around_it():
+    """CI once failed on '{"first": 85344.0}[Gloo] Rank 1 is connected ...' (one line)."""
+    out = '[Gloo] Rank 0 is connected\n{"first": 85344.0}[Gloo] Rank 1 is connected to 1 peer ranks\n'
+    assert _result(out) == {"first": 85344.0}
+    assert _result('{"a": 1}\n[Gloo] x {"b": 2}\n') == {"b": 2}
+    assert _result("[Gloo] nothing here\n") is None
 
 
 def test_one_mesh_across_two_processes(runs):
