@@ -257,10 +257,10 @@ def _packed_target(target: Target) -> dict:
             return cached
     packed = cpu_kernels.pack_layers(target.params["layers"])
     if target.config.dtype == "bfloat16":
-        packed["head"] = jnp.asarray(cpu_kernels.pack_head(llama.lm_head_weight(target.params, target.config),
-                                                           jnp.bfloat16))
+        packed["head"] = cpu_kernels.on_cpu(cpu_kernels.pack_head(llama.lm_head_weight(target.params, target.config),
+                                                                  jnp.bfloat16))
     elif target.config.tie_word_embeddings:
-        packed["head_screen"] = jnp.asarray(cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"]))
+        packed["head_screen"] = cpu_kernels.on_cpu(cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"]))
     if source is not None:
         weights_cache.store_derived(source, variant, packed)
     cpu = jax.devices("cpu")[0]
@@ -526,6 +526,18 @@ def _check_restored(params, dk, cfg, target, source: str) -> None:
                                  f"implies {'float' if wf else 'integer'} {ws}")
 
 
+def _as_dtype(x, dtype):
+    """x in `dtype`; converted on the host when it lives there or on the CPU device (a new shape's
+    `astype` compiles a program: a bf16 drafter's leaves cost ~0.4 s of a first process)."""
+    if x.dtype == dtype:
+        return x
+    if isinstance(x, np.ndarray):
+        return np.asarray(x, dtype)
+    if x.is_fully_addressable and {d.platform for d in x.devices()} == {"cpu"}:
+        return jax.device_put(np.asarray(x).astype(dtype), x.sharding)
+    return x.astype(dtype)
+
+
 def load_drafter(kind: str, path: str | None = None, *, target: Target, random_init: bool = False,
                  seed: int = 0, **config) -> Drafter:
     """A drafter for `target` and the method of the same name (`hsd_jax.methods.REGISTRY`):
@@ -563,7 +575,7 @@ def load_drafter(kind: str, path: str | None = None, *, target: Target, random_i
     else:
         params, cfg, d2t = dk.random(target, seed, **config)
     compute = jnp_dtype(target.config)  # drafters compute in the target's dtype
-    params = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    params = jax.tree.map(lambda x: _as_dtype(x, compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     try:
         params, cfg, d2t = dk.finish(params, cfg, d2t, target)
     except (ConfigError, ModelLoadError) as e:   # a drafter read from files: the message names them

@@ -608,7 +608,7 @@ def _exit_now(code: int) -> None:
     """End the `hsd` process at once once its output is flushed: JAX's and XLA's teardown (freeing
     the backend, the compiled programs, the mapped weights) takes ~0.7 s of a short command's wall
     time and saves nothing, since every cache file (compiled programs, weights) is written before
-    its call returns (a kernel build still running is waited for). One process only: a
+    the process ends (a kernel build or weights-cache write still running is waited for). One process only: a
     multi-process run shuts down its peers."""
     import jax
 
@@ -617,8 +617,10 @@ def _exit_now(code: int) -> None:
     import logging
 
     from hsd_jax import cpu_kernels
+    from hsd_jax.loading import weights_cache
 
     cpu_kernels.wait_for_build()
+    weights_cache.wait_for_writes()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -152,6 +152,7 @@ def test_a_corrupt_or_stale_weights_cache_is_rebuilt(tmp_path, monkeypatch):
     model = tiny_smollm2_gguf(tmp_path / "model.gguf", hidden=32, heads=4, kv_heads=2)
     want = api.load_target(model, tokenizer=False).params
     cached = weights_cache.cache_file(model)
+    weights_cache.wait_for_writes()                                  # written in the background
     assert os.path.isfile(cached)
 
     def same(params):
@@ -164,11 +165,13 @@ def test_a_corrupt_or_stale_weights_cache_is_rebuilt(tmp_path, monkeypatch):
         f.write(b"\x7f" * 16)
     with pytest.warns(UserWarning, match="stale or corrupt"):
         assert same(api.load_target(model, tokenizer=False).params)
+    weights_cache.wait_for_writes()
     assert os.path.getsize(cached) == size                           # rebuilt
     with open(cached, "r+b") as f:
         f.truncate(size // 2)
     with pytest.warns(UserWarning, match="stale or corrupt"):
         assert same(api.load_target(model, tokenizer=False).params)
+    weights_cache.wait_for_writes()
     with open(cached, "wb") as f:
         f.write(b"not a safetensors file")
     with pytest.warns(UserWarning, match="stale or corrupt"):
@@ -184,6 +187,7 @@ def test_a_corrupt_or_stale_weights_cache_is_rebuilt(tmp_path, monkeypatch):
         with open(path, "wb") as f:
             f.write(b"x")
     assert same(api.load_target(model, tokenizer=False).params)
+    weights_cache.wait_for_writes()
     assert sorted(os.listdir(folder)) == sorted([os.path.basename(weights_cache.cache_file(model)),
                                                  os.path.basename(other)])
 
@@ -223,6 +227,7 @@ def test_the_packed_kernel_weights_are_cached_verified_and_rebuilt(tmp_path, mon
         return api.serving_params(api.load_target(model, tokenizer=False))["packed_kernels"]
 
     want = packed()
+    weights_cache.wait_for_writes()
     assert len(packs) == 1 and {"q_proj", "mlp/down_proj", "head_screen"} <= set(want)
     assert want["head_screen"].dtype == jax.numpy.bfloat16
     files = [f for f in os.listdir(tmp_path / "cache" / "weights") if "-packed-float32-" in f]
@@ -244,17 +249,100 @@ def test_the_packed_kernel_weights_are_cached_verified_and_rebuilt(tmp_path, mon
                 f.truncate(size // 2)
         with pytest.warns(UserWarning, match="stale or corrupt"):
             assert same(packed())
+        weights_cache.wait_for_writes()
         assert os.path.getsize(cached) == size                       # rebuilt
     assert len(packs) == 3
     code = tmp_path / "cpu_kernels_init.py"                          # the packing code changed
     code.write_bytes(open(cpu_kernels.__file__, "rb").read() + b"\n# another packing layout\n")
     monkeypatch.setattr(cpu_kernels, "__file__", str(code))
     assert same(packed()) and len(packs) == 4
+    weights_cache.wait_for_writes()
     assert len([f for f in os.listdir(tmp_path / "cache" / "weights") if "-packed-" in f]) == 2
     t = api.load_target(model, tokenizer=False)                    # params replaced after the load
     t.params = jax.tree.map(lambda a: a * 2, t.params)
     doubled = api.serving_params(t)["packed_kernels"]
     assert len(packs) == 5 and np.allclose(np.asarray(doubled["q_proj"]), 2 * np.asarray(want["q_proj"]))
+
+
+def test_loading_and_packing_for_the_cpu_kernels_compile_no_program(smol, caplog):
+    """A drafter's load (the shipped one: bf16 params, cast to the f32 target's dtype) and the
+    target's and drafter's packing for the CPU kernels (fresh, or mapped back from the weights cache)
+    move arrays with `device_put`: `jnp.asarray` and `astype` compile a program for every new shape
+    (~20 of them, ~0.5 s of a first process)."""
+    import copy
+    import logging
+
+    from hsd_jax import cpu_kernels
+
+    if not cpu_kernels.enabled():
+        pytest.skip("the CPU kernels are not available")
+    caplog.set_level(logging.WARNING)
+    with jax.log_compiles(True):
+        for _ in range(2):      # packed here, then (the same source file) mapped back from the cache
+            target = copy.copy(smol)
+            target._packed = None
+            drafter = load_drafter("hsd", target=target)
+            assert drafter.params["layers"]["mlp"]["down_proj"]["kernel"].dtype == jax.numpy.float32
+            assert "head_screen" in api.serving_params(target)["packed_kernels"]
+            assert "draft_head" in api.serving_drafter_params(drafter, target)["packed_kernels"]
+            weights_cache.wait_for_writes()
+    assert [r.getMessage()[:80] for r in caplog.records if "Finished XLA compilation" in r.getMessage()] == []
+
+
+def test_cache_writes_run_in_the_background_and_a_read_waits_for_them(tmp_path, monkeypatch):
+    """A store returns before its file is written (a first load's writes overlap its compile); a
+    read in the same process, and `wait_for_writes`, wait for it."""
+    import threading
+    import time
+
+    monkeypatch.setenv("HSD_JAX_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"weights" * 100)
+    release = threading.Event()
+    write = weights_cache._write
+    monkeypatch.setattr(weights_cache, "_write", lambda *a: release.wait(30) and write(*a))
+    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, jax.numpy.bfloat16)}
+    weights_cache.store_derived(str(source), "v1", arrays)
+    target = weights_cache.cache_file(str(source), "v1")
+    assert not os.path.exists(target)                               # returned before writing
+    threading.Timer(0.3, release.set).start()
+    t0 = time.perf_counter()
+    got = weights_cache.load_host(str(source), "v1")                # waits for the write
+    assert time.perf_counter() - t0 >= 0.2 and os.path.isfile(target)
+    assert got.keys() == arrays.keys() and all(
+        got[k].dtype == arrays[k].dtype and np.array_equal(got[k], arrays[k]) for k in arrays)
+    weights_cache.store_derived(str(source), "v2", arrays)
+    weights_cache.wait_for_writes()
+    assert os.path.isfile(weights_cache.cache_file(str(source), "v2")) and not weights_cache._WRITES
+
+
+def test_a_background_write_keeps_the_values_of_arrays_that_view_a_mapped_file(tmp_path, monkeypatch):
+    """A GGUF's unquantized tensors view the mapped model file: a store copies them before it returns,
+    so a file edited (or truncated: a SIGBUS) while the write runs cannot change or crash it, and
+    files them under the fingerprint the source had then."""
+    import threading
+
+    from safetensors import safe_open
+
+    monkeypatch.setenv("HSD_JAX_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "model.bin"
+    want = np.arange(64, dtype=np.float32)
+    source.write_bytes(want.tobytes())
+    view = np.memmap(source, dtype=np.float32, mode="r")[:64].reshape(8, 8)
+    release = threading.Event()
+    write = weights_cache._write
+    monkeypatch.setattr(weights_cache, "_write", lambda *a: release.wait(30) and write(*a))
+    weights_cache.store(str(source), {"norm": {"scale": view}})
+    weights_cache.store_derived(str(source), "packed", {"norm": view})
+    files = [weights_cache.cache_file(str(source), variant) for variant in ("", "packed")]
+    with open(source, "r+b") as f:                                  # edited while the writes wait
+        f.write(np.full(64, 7, np.float32).tobytes())
+    release.set()
+    weights_cache.wait_for_writes()
+    for path in files:                                              # under the source they came from
+        with safe_open(path, "np") as f:
+            assert np.array_equal(f.get_tensor(f.keys()[0]).reshape(-1), want)
+    assert weights_cache.load(str(source), {"norm/scale": (8, 8)}) is None   # the edited file: a miss
 
 
 def test_a_drafter_checkpoint_is_read_back_from_the_weights_cache_without_orbax(tmp_path, monkeypatch):
@@ -265,6 +353,7 @@ def test_a_drafter_checkpoint_is_read_back_from_the_weights_cache_without_orbax(
     params_path = os.path.join(path, "params")
     want = load_drafter("hsd", path, target=target).params          # restored by Orbax, then cached
     cached = weights_cache.cache_file(params_path, api.ORBAX_CACHE_VARIANT)
+    weights_cache.wait_for_writes()
     assert os.path.isfile(cached)
 
     def same(params):
@@ -281,6 +370,7 @@ def test_a_drafter_checkpoint_is_read_back_from_the_weights_cache_without_orbax(
         f.write(b"\x7f" * 16)
     with pytest.warns(UserWarning, match="stale or corrupt"):
         assert same(load_drafter("hsd", path, target=target).params)
+    weights_cache.wait_for_writes()
     assert os.path.isfile(cached)                                   # rebuilt
     ckpt_file = next(os.path.join(d, f) for d, _, fs in os.walk(params_path) for f in fs)
     os.utime(ckpt_file, ns=(1, 1))                                  # the checkpoint changed: a new key

@@ -99,6 +99,13 @@ def enabled() -> bool:
 BF16_ORDER = np.stack([np.arange(COLS // 2), np.arange(COLS // 2) + COLS // 2], 1).reshape(-1)
 
 
+def on_cpu(a: np.ndarray) -> jax.Array:
+    """A host array as a JAX array on the CPU device: `jax.device_put`, which compiles nothing
+    (`jnp.asarray` compiles a copy program for every new shape and dtype: ~20 of them, ~0.5 s, in a
+    first `generate` that packs a target and a drafter)."""
+    return jax.device_put(a, jax.devices("cpu")[0])
+
+
 def pack(w, dtype=np.float32) -> np.ndarray:
     """[L, d, f] -> [L, f / 32, d, 32] in `dtype`, each column tile contiguous (bf16: its columns in
     BF16_ORDER)."""
@@ -152,7 +159,7 @@ def pack_layers(layers: dict, dtype=None) -> dict:
         for name, sub in tree.items():
             if (name == "kernel" and getattr(sub, "ndim", 0) == 3 and sub.dtype in DTYPES
                     and sub.shape[2] % COLS == 0):
-                out["/".join(path)] = jnp.asarray(pack(sub, dtype or sub.dtype))
+                out["/".join(path)] = on_cpu(pack(sub, dtype or sub.dtype))
             elif isinstance(sub, dict):
                 visit(sub, path + (name,))
 

@@ -14,15 +14,20 @@ arrays of a drafter's Orbax checkpoint (`api.load_drafter`: a folder, fingerprin
 read back without importing Orbax.
 Storing a file's weights removes the cache files of older versions of a file of that name (a
 reinstalled model: another fingerprint). `HSD_JAX_WEIGHTS_CACHE=0` turns the cache off. Read with `safetensors` (no pickle); written to a
-temporary file then renamed, so a concurrent reader never sees half a file.
+temporary file then renamed, so a concurrent reader never sees half a file. Writes run in a
+background thread (a first load's ~1 GB of files then overlaps its compile and decode instead of
+preceding them); every read in the process waits for them first, and so does `wait_for_writes()`,
+which the CLI calls before it ends the process.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import tempfile
+import threading
 import warnings
 
 import numpy as np
@@ -34,6 +39,23 @@ SAMPLES = 8
 SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
                       "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
                       "U8": np.uint8, "BOOL": np.bool_}
+
+
+_WRITES: list[threading.Thread] = []   # background writes not yet joined (`wait_for_writes`)
+
+
+def _in_background(fn, *args) -> None:
+    """Run a cache write in a thread of its own (not a daemon: an interpreter's normal exit joins it)."""
+    thread = threading.Thread(target=fn, args=args, name="hsd-weights-cache-write")
+    thread.start()
+    _WRITES.append(thread)
+
+
+def wait_for_writes() -> None:
+    """Return once every cache write this process started has finished (before reading the cache,
+    and before a process ends without its interpreter's teardown, `os._exit`)."""
+    while _WRITES:
+        _WRITES.pop(0).join()
 
 
 def disabled() -> bool:
@@ -123,10 +145,38 @@ def load(path: str, expected: dict, mapped: bool = False) -> dict | None:
 def store(path: str, params: dict) -> None:
     """Write the float32 param tree of `path` to the cache (best effort: a full disk only warns), and
     remove the files of older versions of a file of that name (another fingerprint: a reinstalled
-    or edited model file), derived ones too, so reinstalls do not pile up gigabytes."""
-    fresh = _write(path, "", {k: np.ascontiguousarray(v, np.float32) for k, v in flatten(params).items()})
-    if fresh is not None:
-        _evict_older(path, fresh)
+    or edited model file), derived ones too, so reinstalls do not pile up gigabytes. In the background:
+    `params` must not change afterwards; arrays that view a mapped file (a GGUF's unquantized tensors)
+    are copied first, since that file may change or shrink while the write runs (a read of a page
+    past its end is a SIGBUS, not an exception)."""
+    flat = {k: _detached(np.ascontiguousarray(v, np.float32)) for k, v in flatten(params).items()}
+    source = _source(path)
+
+    def write():
+        fresh = _write(path, "", flat, source)
+        if fresh is not None:
+            _evict_older(path, fresh)
+
+    _in_background(write)
+
+
+def _source(path: str) -> str | None:
+    """`path`'s fingerprint now (a write in the background files its arrays under the source they
+    came from, not under what the file has become by then), None if it cannot be read."""
+    try:
+        return None if disabled() else fingerprint(path)
+    except OSError:
+        return None
+
+
+def _detached(a: np.ndarray) -> np.ndarray:
+    """`a`, or a copy of it where its memory belongs to a mapped file."""
+    base = a
+    while base is not None:
+        if isinstance(base, (np.memmap, mmap.mmap)):
+            return a.copy()
+        base = getattr(base, "base", None) if isinstance(base, np.ndarray) else getattr(base, "obj", None)
+    return a
 
 
 def _evict_older(path: str, fresh: str) -> None:
@@ -166,10 +216,9 @@ def _shared(a: np.ndarray):
     try:
         if a.dtype.kind in "fiub":
             return jnp.from_dlpack(a, device=cpu)
-        bits = jnp.from_dlpack(a.view(f"u{a.dtype.itemsize}"), device=cpu)
-        return jax.lax.bitcast_convert_type(bits, a.dtype)
     except (BufferError, TypeError, ValueError):
-        return jax.device_put(a, cpu)
+        pass
+    return jax.device_put(a, cpu)   # e.g. bfloat16, which DLPack lacks (a bitcast compiles a program per shape)
 
 
 def _mapped(target: str) -> tuple[dict, dict]:
@@ -192,8 +241,10 @@ def _mapped(target: str) -> tuple[dict, dict]:
 
 
 def store_derived(path: str, variant: str, arrays: dict) -> None:
-    """Write flat arrays of any dtype (bfloat16 included) derived from `path`'s weights."""
-    _write(path, variant, {k: np.ascontiguousarray(v) for k, v in arrays.items()})
+    """Write flat arrays of any dtype (bfloat16 included) derived from `path`'s weights (in the
+    background: `arrays` must not change afterwards; those that view a mapped file are copied)."""
+    _in_background(_write, path, variant, {k: _detached(np.ascontiguousarray(v)) for k, v in arrays.items()},
+                   _source(path))
 
 
 def _read(path: str, variant: str, fits, mapped: bool = False) -> dict | None:
@@ -202,6 +253,7 @@ def _read(path: str, variant: str, fits, mapped: bool = False) -> dict | None:
     stale or corrupt one is removed, with a warning."""
     if disabled():
         return None
+    wait_for_writes()
     from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
 
@@ -243,11 +295,12 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
-def _write(path: str, variant: str, flat: dict) -> str | None:
+def _write(path: str, variant: str, flat: dict, source: str | None = None) -> str | None:
     """Write flat arrays (those of dtypes safetensors' numpy API lacks, e.g. bfloat16, as unsigned
     integers of their width, their dtype in the header) to a temporary file, then rename it. Process
     0 alone writes (a multi-process run's others only read, like every file the package writes); returns
-    the source fingerprint it wrote under, None when it wrote nothing."""
+    the source fingerprint it wrote under (`source`: taken when the arrays were, by a background
+    write's caller), None when it wrote nothing."""
     from hsd_jax import distributed
 
     if disabled() or not distributed.is_primary():
@@ -257,7 +310,7 @@ def _write(path: str, variant: str, flat: dict) -> str | None:
     dtypes = {k: v.dtype.name for k, v in flat.items() if v.dtype.kind not in "fiub"}
     flat = {k: v.view(f"u{v.dtype.itemsize}") if k in dtypes else v for k, v in flat.items()}
     try:
-        source = fingerprint(path)
+        source = source or fingerprint(path)
         target = cache_file(path, variant, source)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         meta = {"source": source, "variant": variant, "checksum": checksum(flat), "format": FORMAT,

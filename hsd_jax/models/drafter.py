@@ -132,7 +132,7 @@ def pack_draft_head(target_params, target_cfg: ModelConfig, d2t, dtype=jnp.float
         head = np.asarray(target_params["embed_tokens"]["embedding"])[ids].T
     else:
         head = np.asarray(target_params["lm_head"]["kernel"])[:, ids]
-    return jnp.asarray(cpu_kernels.pack(head.astype(np.float32)[None], dtype))
+    return cpu_kernels.on_cpu(cpu_kernels.pack(head.astype(np.float32)[None], dtype))
 
 
 def draft_logits(view: TargetView, h: jax.Array) -> jax.Array:
