@@ -75,6 +75,25 @@ def seed_history(kind: str, run_dir: str) -> None:
         f.writelines(json.dumps(point) + "\n" for point in curve)
 
 
+def ship_finished(runs: str, kinds: list[str], notes: str) -> None:
+    """Ship every kind whose run reached its config's steps (`hsd_jax.train.ship`: drafter and card)."""
+    from hsd_jax.train.ship import ship
+    from hsd_jax.train.trainer import TrainConfig
+
+    for kind in kinds:
+        config = f"configs/train/campaign_{kind}.yaml"
+        steps = TrainConfig.from_yaml(config).steps
+        run_dir = os.path.join(runs, kind)
+        if latest_checkpoint(run_dir) < steps:
+            raise SystemExit(f"{kind}: the run in {run_dir} is at step {latest_checkpoint(run_dir)} of {steps}; "
+                             "finish it first")
+        text = (f"Trained by `scripts/campaign.py` (issue 37): hsd and eagle at equal budget (same data, steps, "
+                f"unroll, draft vocabulary and warm start from the previously shipped drafter), in chunks of "
+                f"250 steps, resumed across sessions from `train_data/campaign/{kind}/`. " + notes).strip()
+        print(ship(run_dir, "smollm2-135m", kind, config_path=config,
+                   command="python scripts/campaign.py --chunk 250", notes=text))
+
+
 def ensure_text_data() -> None:
     for data_dir, args in TEXT_DATA.items():
         if not glob.glob(os.path.join(ROOT, data_dir, "shard_*.npz")):
@@ -88,8 +107,14 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=500)
     ap.add_argument("--kinds", default="hsd,eagle")
     ap.add_argument("--until", type=int, default=0, help="stop once every kind reaches this step (0: the config's steps)")
+    ap.add_argument("--ship", action="store_true",
+                    help="install each finished kind's drafter as the shipped one (hsd_jax/drafters/), with its card")
+    ap.add_argument("--notes", default="", help="with --ship: text for the cards' Notes (e.g. the MT-bench comparison)")
     a = ap.parse_args()
     os.chdir(ROOT)
+    if a.ship:
+        ship_finished(a.runs, a.kinds.split(","), a.notes)
+        return
     ensure_text_data()
     from hsd_jax.api import load_target
     from hsd_jax.train.features import build_feature_cache, cache_complete

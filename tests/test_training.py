@@ -687,3 +687,12 @@ def test_campaign_new_machine_keeps_committed_curve(tmp_path, monkeypatch):
     assert state["step"] == 500 and [p["step"] for p in state["history"]] == [0, 250, 500]
     campaign.seed_history("eagle", str(tmp_path / "runs" / "eagle"))   # nothing committed: nothing seeded
     assert not os.path.exists(tmp_path / "runs" / "eagle")
+
+
+def test_a_long_learning_curve_is_thinned_to_round_steps_on_the_card():
+    """A campaign's 72-point curve goes on its card at every 1000 steps; a short one whole."""
+    from hsd_jax.train.ship import _thinned
+
+    curve = [{"step": s} for s in range(0, 18000, 250)]
+    assert [h["step"] for h in _thinned(curve)] == list(range(0, 18000, 1000))
+    assert _thinned(curve[:12]) == curve[:12]

@@ -12,6 +12,16 @@ def _size_mb(path: str) -> float:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) / 2**20
 
 
+def _thinned(history: list, rows: int = 20) -> list:
+    """A long learning curve's points at round steps (about `rows` of them), for a card a reader can scan."""
+    if len(history) <= rows:
+        return history
+    last = history[-1]["step"]
+    every = max(1, last // rows)
+    every = next(m for m in (250, 500, 1000, 2000, 5000, 10000, last) if m >= every)
+    return [h for h in history if h["step"] % every == 0]
+
+
 def _portable(path: str) -> str:
     """A run's data or drafter directory as the card names it: relative to the working directory when
     under it (`train_data/...`), else its last component, never this machine's absolute path."""
@@ -40,6 +50,7 @@ def ship(run_dir: str, model: str, kind: str, *, config_path: str, command: str,
         f"- Data sets: {', '.join(f'`{_portable(d)}`' for d in ([cfg['data_dir']] if isinstance(cfg['data_dir'], str) else cfg['data_dir']))}",
         f"- Self-distilled: {model} answered GSM8K-train questions and ShareGPT first user turns with its",
         "  chat template (greedy, <= 128 new tokens). No evaluation prompts (MT-bench, HumanEval, ...).",
+        "  Sources, licenses and the command that wrote each set: `train_data/README.md`.",
         f"- {metrics['train_tokens']} tokens in all, {metrics['response_tokens']} of them response tokens;",
         f"  {cfg['holdout_fraction']:.0%} of the sequences held out for evaluation.",
         "",
@@ -60,7 +71,7 @@ def ship(run_dir: str, model: str, kind: str, *, config_path: str, command: str,
                   "feature over the copy baseline's (below 1: the chain beats copying the last feature)."]
         columns[1:1] = [("bypassed", "bypass_accept_by_depth"), ("feature error vs copy", "feature_error_vs_copy")]
     lines += ["", "| step | " + " | ".join(c for c, _ in columns) + " |", "|" + " --- |" * (len(columns) + 1)]
-    lines += [f"| {h['step']} | " + " | ".join(str(h.get(k, "-")) for _, k in columns) + " |" for h in hist + [final]]
+    lines += [f"| {h['step']} | " + " | ".join(str(h.get(k, "-")) for _, k in columns) + " |" for h in _thinned(hist) + [final]]
     lines += ["", f"Checkpoint size: {_size_mb(dst):.1f} MB (bf16 params).", ""]
     if notes:
         lines += ["## Notes", notes, ""]
