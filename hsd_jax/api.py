@@ -217,7 +217,7 @@ def compile_options(params, kernels: bool = False) -> dict:
     if size < SMALL_PROGRAM_PARAMS:
         options = dict(FAST_COMPILE_OPTIONS)
     else:
-        options = dict(KERNEL_PROGRAM_OPTIONS) if kernels and cpu_kernels.enabled() else {}
+        options = dict(KERNEL_PROGRAM_OPTIONS) if kernels and cpu_kernels.expected() else {}
     if any(getattr(x, "dtype", None) == jnp.bfloat16 for x in leaves):
         options.update(BF16_EXACT_OPTIONS)
     return options
@@ -231,7 +231,7 @@ def serving_params(target: Target) -> dict:
         return target.params
     if target._packed is None or target._packed[0] is not target.params:   # packed while a first process's
         target._packed = (target.params, _packed_target(target))            # kernel build still runs
-    if not cpu_kernels.enabled():
+    if not cpu_kernels.expected():
         return target.params
     return dict(target.params, packed_kernels=target._packed[1])
 
@@ -283,7 +283,7 @@ def serving_drafter_params(drafter: Drafter, target: Target, dtype: str | None =
     from hsd_jax.models.drafter import DrafterConfig, pack_draft_head
 
     params = drafter.params
-    served = target.config.dtype in ("float32", "bfloat16") and cpu_kernels.enabled()   # as `serving_params`
+    served = target.config.dtype in ("float32", "bfloat16") and cpu_kernels.expected()   # as `serving_params`
     if isinstance(drafter.config, ModelConfig) and drafter.config.dtype == target.config.dtype and served:
         # sd's draft LM: its layers through the kernels as the target's, so its attention reads the
         # committed slots only (XLA's scores every slot of the cache capacity)
@@ -308,18 +308,56 @@ def compiled(fn, args, static: dict, options: dict | None = None):
     """AOT-compile `fn` for these argument shapes once per process (with XLA compiler `options`;
     from the persistent compilation cache when an earlier process compiled it, `compilation`);
     returns (executable, compile seconds now)."""
-    shapes = jax.tree.map(lambda a: (np.shape(a), str(getattr(a, "dtype", type(a))),
-                                     str(getattr(a, "sharding", None))), args)
     options = options or {}
-    key = (fn, str(jax.tree.structure(args)), str(shapes), tuple(sorted(static.items())),
-           str(jax.sharding.get_abstract_mesh()), tuple(sorted(options.items())))
+    key = (*_program_key(fn, args, static), tuple(sorted(options.items())))
     if key in _COMPILED:
         return _COMPILED[key], 0.0
     compilation.enable()
     t0 = time.perf_counter()
-    exe = fn.lower(*args, **static).compile(compiler_options=options or None)
+    lowered = _LOWERED.pop(key[:-1], None) or fn.lower(*args, **static)
+    if _uses_kernels(args) and not cpu_kernels.enabled():   # waits for a build still running
+        raise cpu_kernels.Unavailable("the CPU kernel library failed to build")
+    exe = lowered.compile(compiler_options=options or None)
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
+
+
+def _program_key(fn, args, static: dict) -> tuple:
+    """What a program's compile depends on but its compiler options: the function, the arguments'
+    tree, shapes, dtypes and placements, the static arguments and the mesh in use."""
+    shapes = jax.tree.map(lambda a: (np.shape(a), str(getattr(a, "dtype", type(a))),
+                                     str(getattr(a, "sharding", None))), args)
+    return (fn, str(jax.tree.structure(args)), str(shapes), tuple(sorted(static.items())),
+            str(jax.sharding.get_abstract_mesh()))
+
+
+_LOWERED: dict = {}   # programs lowered ahead of their compile (`_lower_ahead`), by `compiled`'s key less options
+
+
+def _uses_kernels(args) -> bool:
+    """Whether a program's arguments carry packed weights for the CPU kernels (`serving_params`)."""
+    return any(isinstance(a, dict) and "packed_kernels" in a for a in args)
+
+
+def _lower_ahead(progs: "Programs", args: tuple, n: int, bound) -> float:
+    """While the kernel library still builds (a first process), lower the prefill and the decode loop
+    before either compiles: the loop's cache argument is shaped from the lowered prefill's outputs,
+    placed as they will be (one CPU device). Lowering waits for no build; `compiled` takes these.
+    Returns the seconds spent (0 when there is no build to overlap)."""
+    if not (_uses_kernels(args) and cpu_kernels.building()):
+        return 0.0
+    t0 = time.perf_counter()
+    pkey = _program_key(progs.prefill, args, progs.prefill_static)
+    if pkey not in _LOWERED:
+        _LOWERED[pkey] = progs.prefill.lower(*args, **progs.prefill_static)
+    lowered = _LOWERED[pkey]
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    pre = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=cpu), lowered.out_info)
+    dargs = (*args[:n], pre, bound)
+    dkey = _program_key(progs.decode, dargs, progs.decode_static)
+    if dkey not in _LOWERED:
+        _LOWERED[dkey] = progs.decode.lower(*dargs, **progs.decode_static)
+    return time.perf_counter() - t0
 
 
 ORBAX_COMMIT_MARKER = "commit_success.txt"  # written by Orbax beside a checkpoint: "... successful to /abs/dir"
@@ -701,6 +739,7 @@ def _run(progs: Programs, tokens, lengths, key, max_new_tokens: int, mesh, targe
         bound = sharding.replicate(bound, mesh)
     n = len(progs.weights)
     with sharding.use_mesh(mesh):
+        ahead = _lower_ahead(progs, args, n, bound) if mesh is None else 0.0
         prefill, compile_p = compiled(progs.prefill, args, progs.prefill_static, progs.options)
         t0 = time.perf_counter()
         pre = jax.block_until_ready(prefill(*args))
@@ -710,7 +749,7 @@ def _run(progs: Programs, tokens, lengths, key, max_new_tokens: int, mesh, targe
         t0 = time.perf_counter()
         out = sharding.fetch(decode(*dargs))
         decode_s = time.perf_counter() - t0
-    return out, {"compile": compile_p + compile_d, "prefill": prefill_s, "decode": decode_s}
+    return out, {"compile": ahead + compile_p + compile_d, "prefill": prefill_s, "decode": decode_s}
 
 
 def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int = 1, temperature: float = 0.0,
@@ -728,8 +767,19 @@ def warmup(target: Target, *, method: str = "ar", drafter=None, batch_size: int 
         raise InputError(f"prompt_bucket must be >= 1, got {prompt_bucket}")
     sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
     spec, drafter = _method_spec(target, method, drafter, tuned, options)
-    progs = programs(target, spec, drafter, sampling, mesh, exact_rows(exact, spec))
-    return _compile_ahead(progs, target, drafter, batch_size, mesh, prompt_bucket, max_prompt_len, progress, method)
+    return _without_kernels_if_unbuilt(lambda: _compile_ahead(
+        programs(target, spec, drafter, sampling, mesh, exact_rows(exact, spec)), target, drafter, batch_size, mesh,
+        prompt_bucket, max_prompt_len, progress, method))
+
+
+def _without_kernels_if_unbuilt(attempt):
+    """attempt(), which makes its programs and runs them; once more if they were made for CPU kernels
+    whose build, still running then, failed (`cpu_kernels.expected`): the second makes them without."""
+    try:
+        return attempt()
+    except cpu_kernels.Unavailable:
+        _LOWERED.clear()
+        return attempt()
 
 
 def _compile_ahead(progs: Programs, target: Target, drafter, batch_size: int, mesh, prompt_bucket: int,
@@ -803,14 +853,19 @@ def generate(target: Target, prompts, *, max_new_tokens: int = 128, temperature:
         raise InputError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens}"
                          + (f" + draft tree {slack}" if slack else "")
                          + f" exceeds the cache capacity max_cache_len={target.max_cache_len}")
-    progs = programs(target, spec, drafter, sampling, mesh, rows)
-    ahead = 0.0
-    if warmup:
-        ahead = _compile_ahead(progs, target, drafter, len(ids), mesh, prompt_bucket, None, True,
-                               method)["compile_seconds"]
-    tokens, lengths = pad_prompts(ids, prompt_bucket, progs.capacity)
-    out, secs = _run(progs, tokens, lengths, jax.random.key(seed), max_new_tokens, mesh, target, drafter)
-    secs["compile"] += ahead
+
+    def attempt():
+        progs = programs(target, spec, drafter, sampling, mesh, rows)
+        ahead = 0.0
+        if warmup:
+            ahead = _compile_ahead(progs, target, drafter, len(ids), mesh, prompt_bucket, None, True,
+                                   method)["compile_seconds"]
+        tokens, lengths = pad_prompts(ids, prompt_bucket, progs.capacity)
+        out, secs = _run(progs, tokens, lengths, jax.random.key(seed), max_new_tokens, mesh, target, drafter)
+        secs["compile"] += ahead
+        return out, secs
+
+    out, secs = _without_kernels_if_unbuilt(attempt)
     elapsed = secs["prefill"] + secs["decode"]
     results = []
     for i in range(len(ids)):

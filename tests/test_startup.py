@@ -65,6 +65,55 @@ def test_the_decode_loop_compiles_once_per_method_for_any_prompt_length_and_boun
         assert ids[:5] == tokens[method, 5, length]                    # a longer bound extends a shorter one
 
 
+def _build_running(monkeypatch, enabled):
+    """Make this process look as if its kernel build were still running until `enabled()` (the
+    wait) is first called; `enabled` decides what that wait returns."""
+    state = {"waits": []}
+    monkeypatch.setattr(cpu_kernels, "building", lambda: not state["waits"])
+
+    def wait():
+        state["waits"].append(len(api._LOWERED))   # programs lowered ahead of the wait
+        return enabled()
+
+    monkeypatch.setattr(cpu_kernels, "enabled", wait)
+    return state
+
+
+def test_a_first_process_lowers_its_programs_while_the_kernel_library_builds(monkeypatch):
+    """While the CPU kernel library still builds, `generate` packs the weights and lowers the prefill
+    and the decode loop (its cache argument shaped from the lowered prefill) before it waits for the
+    build; each program then compiles once, from those lowerings, and runs on the kernels."""
+    if not cpu_kernels.enabled():
+        pytest.skip("the CPU kernels are not available")
+    t = tiny_target(vocab=64, hidden=64, tie_word_embeddings=True, seed=5, max_cache_len=160)  # shapes no other test runs
+    prompt = [[3, 9, 27, 4, 11, 50]]
+    drafter = load_drafter("hsd", target=t, random_init=True, seed=2)
+    spec = dict(method="hsd", drafter=drafter, tree_nodes=4, tree_depth=2, tree_top_k=2)
+    state = _build_running(monkeypatch, cpu_kernels.enabled)
+    with compiles() as names:
+        got = generate(t, prompt, max_new_tokens=10, **spec)[0]
+    assert state["waits"][0] == 1 and api._LOWERED == {}     # at the wait: the prefill's lowering taken, the loop's next
+    assert names == ["spec_prefill", "spec_decode"]
+    assert "packed_kernels" in api.serving_params(t)
+    monkeypatch.setenv(kernel_build.ENV, "0")                     # XLA's dots: the same tokens
+    assert generate(t, prompt, max_new_tokens=10, **spec)[0].token_ids == got.token_ids
+
+
+def test_programs_lowered_for_a_kernel_build_that_then_fails_are_made_again_without(monkeypatch):
+    """A build that fails after the programs were lowered for it: `generate` and `warmup` make them
+    again on XLA's dots and answer as without the kernels (no error, nothing left lowered)."""
+    t = tiny_target(vocab=64, hidden=64, tie_word_embeddings=True, seed=6, max_cache_len=176)
+    prompt = [[7, 1, 33, 2, 19]]
+    _build_running(monkeypatch, lambda: False)
+    monkeypatch.setattr(cpu_kernels, "_registered", lambda: False)
+    got = generate(t, prompt, max_new_tokens=8)[0]
+    assert api._LOWERED == {} and "packed_kernels" not in api.serving_params(t)
+    _build_running(monkeypatch, lambda: False)
+    assert api.warmup(t, max_prompt_len=16, progress=False)["programs"] == 2
+    monkeypatch.setenv(kernel_build.ENV, "0")
+    assert generate(t, prompt, max_new_tokens=8)[0].token_ids == got.token_ids
+
+
 def test_warmup_compiles_every_bucket_and_the_loop_ahead_of_generate():
     t = tiny_target(vocab=64, hidden=32, max_cache_len=128)
     api._COMPILED.clear()
@@ -314,6 +363,25 @@ def test_cache_writes_run_in_the_background_and_a_read_waits_for_them(tmp_path, 
     weights_cache.store_derived(str(source), "v2", arrays)
     weights_cache.wait_for_writes()
     assert os.path.isfile(weights_cache.cache_file(str(source), "v2")) and not weights_cache._WRITES
+
+
+def test_cache_files_are_safetensors_files_that_its_own_reader_reads(tmp_path):
+    """`weights_cache` writes its files itself (from each array's memory, no copy): safetensors'
+    reader takes them, every dtype and shape (empty and 0-d too) and the metadata intact."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    flat = {"b/x": np.arange(12, dtype=np.float32).reshape(3, 4), "a": np.arange(5, dtype=np.int64),
+            "c": np.ones((2, 3), np.uint16), "d": np.array([True, False]), "e": np.zeros((0, 4), np.float32),
+            "f": np.float32(3.0).reshape(()), "g": np.arange(6, dtype=np.float64).reshape(2, 3).T}
+    path = str(tmp_path / "x.safetensors")
+    weights_cache._save(flat, path, {"source": "abc"})
+    got = load_file(path)
+    assert got.keys() == flat.keys()
+    assert all(got[k].dtype == flat[k].dtype and np.array_equal(got[k], flat[k]) for k in flat)
+    with safe_open(path, "np") as f:
+        assert f.metadata() == {"source": "abc"}
+    assert np.array_equal(weights_cache._mapped(path)[1]["g"], flat["g"])
 
 
 def test_a_background_write_keeps_the_values_of_arrays_that_view_a_mapped_file(tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ Built on first use with the system C++ compiler against the running jaxlib's FFI
 the binary always matches the installed jaxlib and this CPU), cached in the user cache folder
 (`hsd_jax.kernel_build`); `prebuild()` (called by `api.load_target`; the CLI starts the build
 before importing JAX) runs it in the background, so a first process's compiler overlaps its
-imports and model load. No compiler, a failed build or `HSD_CPU_KERNELS=0`: XLA's dots, with one
+imports, model load, packing and the programs' tracing and lowering (`expected`). No compiler, a failed build or `HSD_CPU_KERNELS=0`: XLA's dots, with one
 warning. A load with a mesh and a multi-process run build none (neither uses them).
 """
 from __future__ import annotations
@@ -95,6 +95,26 @@ def enabled() -> bool:
     return wanted() and _registered()
 
 
+class Unavailable(RuntimeError):
+    """A program was traced for the kernels while their build ran (`expected`), and the build failed."""
+
+
+def expected() -> bool:
+    """`enabled()` without waiting for a build in progress (then True: programs are traced and lowered
+    for the kernels while the compiler runs, and only XLA's compile waits for it, `api.compiled`,
+    which raises `Unavailable` if the build failed; the caller then traces again without them)."""
+    return wanted() and (building() or _registered())
+
+
+def building() -> bool:
+    """Whether this process's build of the kernel library is still running."""
+    try:
+        build = kernel_build.pending()
+    except Exception:  # noqa: BLE001 - e.g. an unreadable source: `enabled` reports it
+        return False
+    return build is not None and not build.done()
+
+
 # bf16 tiles store columns 0, 16, 1, 17, ..., 15, 31: the kernel widens each 32-bit pair with a shift and a mask
 BF16_ORDER = np.stack([np.arange(COLS // 2), np.arange(COLS // 2) + COLS // 2], 1).reshape(-1)
 
@@ -114,7 +134,7 @@ def pack(w, dtype=np.float32) -> np.ndarray:
     tiles = w.reshape(L, d, f // COLS, COLS).transpose(0, 2, 1, 3)
     if np.dtype(dtype) == jnp.bfloat16:
         tiles = tiles[..., BF16_ORDER]
-    return np.ascontiguousarray(tiles.astype(dtype))
+    return np.ascontiguousarray(tiles, dtype=dtype)   # one pass (astype keeps the transposed strides: two)
 
 
 def pack_pairs(w) -> np.ndarray:

@@ -295,6 +295,31 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
+SAFETENSORS_NAMES = {np.dtype(v).str: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def _save(flat: dict, target: str, metadata: dict) -> None:
+    """Write arrays of SAFETENSORS_DTYPES as a safetensors file (its layout: an 8-byte header size, the
+    JSON header padded to 8 bytes, the tensors' bytes in order), each array straight from its memory:
+    `safetensors.numpy.save_file` first copies every tensor into one bytes object while holding the
+    GIL (a first load's 0.5 GB write then slows the main thread for seconds)."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name in sorted(flat):
+        a = flat[name]
+        header[name] = {"dtype": SAFETENSORS_NAMES[a.dtype.newbyteorder("<").str], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(target, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name in sorted(flat):
+            a = np.ascontiguousarray(flat[name], flat[name].dtype.newbyteorder("<"))
+            if a.size:
+                f.write(a.reshape(-1).view(np.uint8).data)
+
+
 def _write(path: str, variant: str, flat: dict, source: str | None = None) -> str | None:
     """Write flat arrays (those of dtypes safetensors' numpy API lacks, e.g. bfloat16, as unsigned
     integers of their width, their dtype in the header) to a temporary file, then rename it. Process
@@ -305,8 +330,6 @@ def _write(path: str, variant: str, flat: dict, source: str | None = None) -> st
 
     if disabled() or not distributed.is_primary():
         return None
-    from safetensors.numpy import save_file
-
     dtypes = {k: v.dtype.name for k, v in flat.items() if v.dtype.kind not in "fiub"}
     flat = {k: v.view(f"u{v.dtype.itemsize}") if k in dtypes else v for k, v in flat.items()}
     try:
@@ -318,7 +341,7 @@ def _write(path: str, variant: str, flat: dict, source: str | None = None) -> st
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
         os.close(fd)
         try:
-            save_file(flat, tmp, metadata=meta)
+            _save(flat, tmp, meta)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
