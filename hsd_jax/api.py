@@ -255,6 +255,10 @@ def _packed_target(target: Target) -> dict:
         cached = weights_cache.load_derived(source, variant)
         if cached is not None:
             return cached
+    if source is not None:   # packed straight into the cache file, then served from its mapping
+        packed = _packed_in_place(target, source, variant)
+        if packed is not None:
+            return packed
     packed = cpu_kernels.pack_layers(target.params["layers"])
     if target.config.dtype == "bfloat16":
         packed["head"] = cpu_kernels.on_cpu(cpu_kernels.pack_head(llama.lm_head_weight(target.params, target.config),
@@ -265,6 +269,32 @@ def _packed_target(target: Target) -> dict:
         weights_cache.store_derived(source, variant, packed)
     cpu = jax.devices("cpu")[0]
     return {k: jax.device_put(v, cpu) for k, v in packed.items()}
+
+
+def _packed_in_place(target: Target, source: str, variant: str) -> dict | None:
+    """`_packed_target`'s arrays packed into a new weights-cache file (`weights_cache.create`: no
+    second copy to write out) and mapped back from it; None when the cache cannot take them."""
+    from hsd_jax.loading import weights_cache
+
+    layers, cfg = target.params["layers"], target.config
+    layout = cpu_kernels.layers_layout(layers)
+    head = "head" if cfg.dtype == "bfloat16" else "head_screen" if cfg.tie_word_embeddings else None
+    if head:
+        layout[head] = cpu_kernels.head_layout(cfg.hidden_size, cfg.vocab_size, cfg.dtype)
+    file = weights_cache.create(source, variant, layout)
+    if file is None:
+        return None
+    try:
+        cpu_kernels.pack_layers(layers, into=file.arrays)
+        if head == "head":
+            cpu_kernels.pack_head(llama.lm_head_weight(target.params, cfg), jnp.bfloat16, into=file.arrays[head])
+        elif head:
+            cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"], into=file.arrays[head])
+    except BaseException:
+        file.discard()
+        raise
+    mapped = weights_cache.load_derived(source, variant) if file.commit() else None
+    return mapped if mapped is not None else {k: cpu_kernels.on_cpu(v) for k, v in file.arrays.items()}
 
 
 # The feature drafters' weights on the CPU kernels: bf16 (half the bytes a pass streams; widened

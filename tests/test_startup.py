@@ -199,9 +199,9 @@ def test_the_compilation_cache_keeps_the_callers_folder_and_turns_off(monkeypatc
 def test_a_corrupt_or_stale_weights_cache_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("HSD_JAX_CACHE", str(tmp_path / "cache"))
     model = tiny_smollm2_gguf(tmp_path / "model.gguf", hidden=32, heads=4, kv_heads=2)
-    want = api.load_target(model, tokenizer=False).params
+    # copied: a load serves the cache file's mapped pages, which the damage below writes into
+    want = jax.tree.map(np.array, api.load_target(model, tokenizer=False).params)
     cached = weights_cache.cache_file(model)
-    weights_cache.wait_for_writes()                                  # written in the background
     assert os.path.isfile(cached)
 
     def same(params):
@@ -270,7 +270,7 @@ def test_the_packed_kernel_weights_are_cached_verified_and_rebuilt(tmp_path, mon
     model = tiny_smollm2_gguf(tmp_path / "model.gguf", hidden=32, heads=4, kv_heads=2)
     packs = []
     pack_layers = cpu_kernels.pack_layers
-    monkeypatch.setattr(cpu_kernels, "pack_layers", lambda layers: packs.append(1) or pack_layers(layers))
+    monkeypatch.setattr(cpu_kernels, "pack_layers", lambda layers, *a, **k: packs.append(1) or pack_layers(layers, *a, **k))
 
     def packed():
         return api.serving_params(api.load_target(model, tokenizer=False))["packed_kernels"]
@@ -311,6 +311,39 @@ def test_the_packed_kernel_weights_are_cached_verified_and_rebuilt(tmp_path, mon
     t.params = jax.tree.map(lambda a: a * 2, t.params)
     doubled = api.serving_params(t)["packed_kernels"]
     assert len(packs) == 5 and np.allclose(np.asarray(doubled["q_proj"]), 2 * np.asarray(want["q_proj"]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_first_load_decodes_and_packs_straight_into_the_cache_files(tmp_path, monkeypatch, dtype):
+    """A first load's f32 params (decoded; an f32 target's) and packed kernel weights are written into their cache files'
+    mappings and served from them (`weights_cache.create`): the same arrays as a load with the cache
+    off, and the next load reads those files back."""
+    if not cpu_kernels.enabled():
+        pytest.skip("the CPU kernels are not available")
+    monkeypatch.setenv("HSD_JAX_CACHE", str(tmp_path / "cache"))
+    model = tiny_smollm2_gguf(tmp_path / "model.gguf", hidden=64, heads=4, kv_heads=2)
+
+    def loaded():
+        t = api.load_target(model, tokenizer=False, dtype=dtype)
+        return t.params, api.serving_params(t)["packed_kernels"]
+
+    monkeypatch.setenv(weights_cache.ENV, "0")
+    fresh = jax.tree.map(np.array, loaded())
+    monkeypatch.delenv(weights_cache.ENV)
+    if dtype == "float32":   # (a bf16 target's f32 params are cast from a copy: `weights_cache.store`)
+        monkeypatch.setattr(weights_cache, "store", lambda *a: pytest.fail("written from a copy"))
+    monkeypatch.setattr(weights_cache, "store_derived", lambda *a: pytest.fail("written from a copy"))
+    first = loaded()
+    weights_cache.wait_for_writes()
+    files = sorted(os.listdir(tmp_path / "cache" / "weights"))
+    assert len(files) == 2 and not any(f.endswith(".tmp") for f in files)
+    monkeypatch.setattr(weights_cache, "create", lambda *a: pytest.fail("not read back"))
+    again = loaded()
+    assert "head_screen" in first[1] if dtype == "float32" else "head" in first[1]
+    for got in (first, again):
+        assert jax.tree.structure(got) == jax.tree.structure(fresh)
+        assert all(a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+                   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(fresh)))
 
 
 def test_loading_and_packing_for_the_cpu_kernels_compile_no_program(smol, caplog):

@@ -126,26 +126,32 @@ def on_cpu(a: np.ndarray) -> jax.Array:
     return jax.device_put(a, jax.devices("cpu")[0])
 
 
-def pack(w, dtype=np.float32) -> np.ndarray:
+def pack(w, dtype=np.float32, into: np.ndarray | None = None) -> np.ndarray:
     """[L, d, f] -> [L, f / 32, d, 32] in `dtype`, each column tile contiguous (bf16: its columns in
-    BF16_ORDER)."""
+    BF16_ORDER); written into `into` (of that shape and dtype) where given."""
     w = np.asarray(w, np.float32)
     L, d, f = w.shape
     tiles = w.reshape(L, d, f // COLS, COLS).transpose(0, 2, 1, 3)
     if np.dtype(dtype) == jnp.bfloat16:
         tiles = tiles[..., BF16_ORDER]
+    if into is not None:
+        into[...] = tiles
+        return into
     return np.ascontiguousarray(tiles, dtype=dtype)   # one pass (astype keeps the transposed strides: two)
 
 
-def pack_pairs(w) -> np.ndarray:
+def pack_pairs(w, into: np.ndarray | None = None) -> np.ndarray:
     """[L, d, f] -> bf16 [L, f / 32, ceil(d / 2), 64]: each 32-column tile's rows in pairs along d, as
     AVX-512 BF16 dot products read them (row p: columns 0-15, then 16-31, each as the bf16 pair
     (w[2p, c], w[2p + 1, c]); an odd d padded with a zero row). For inputs that are bf16 values:
-    `stacked_matmul` rounds them to bf16."""
+    `stacked_matmul` rounds them to bf16. Written into `into` where given."""
     w = np.asarray(w, np.float32)
     L, d, f = w.shape
     w = np.pad(w, ((0, 0), (0, d % 2), (0, 0)))
     tiles = w.reshape(L, -1, 2, f // COLS, 2, COLS // 2).transpose(0, 3, 1, 4, 5, 2)   # [L, t, p, half, c, k]
+    if into is not None:
+        into[...] = tiles.reshape(L, f // COLS, -1, 2 * COLS)
+        return into
     return np.ascontiguousarray(tiles.reshape(L, f // COLS, -1, 2 * COLS).astype(jnp.bfloat16))
 
 
@@ -155,36 +161,58 @@ def bf16_dot_products() -> bool:
     return enabled() and bool(ctypes.cdll.LoadLibrary(kernel_build.library_path()).HsdBF16DotProducts())
 
 
-def pack_head(weight, dtype) -> np.ndarray:
+def pack_head(weight, dtype, into: np.ndarray | None = None) -> np.ndarray:
     """An LM head [d, V] as [1, ceil(V / 32), d, 32] in `dtype`, the vocabulary zero-padded to
     whole column tiles (`stacked_matmul`'s output then has V rounded up to 32 columns)."""
     w = np.asarray(weight, np.float32)
-    return pack(np.pad(w, ((0, 0), (0, -w.shape[1] % COLS)))[None], dtype)
+    return pack(np.pad(w, ((0, 0), (0, -w.shape[1] % COLS)))[None], dtype, into)
 
 
-def pack_head_screen(embedding) -> np.ndarray:
+def pack_head_screen(embedding, into: np.ndarray | None = None) -> np.ndarray:
     """The bf16 screen of a tied f32 LM head (`llama.screened_argmax`) from the embedding [V, d], in
     pairs (`pack_pairs`; its inputs are bf16 values), the vocabulary zero-padded to whole column tiles."""
     e = np.asarray(embedding, np.float32)
-    return pack_pairs(np.pad(e.T, ((0, 0), (0, -e.shape[0] % COLS)))[None])
+    return pack_pairs(np.pad(e.T, ((0, 0), (0, -e.shape[0] % COLS)))[None], into)
 
 
-def pack_layers(layers: dict, dtype=None) -> dict:
-    """{"q_proj": [L, f/32, d, 32], "mlp/gate_proj": ...}: every f32 or bf16 Dense kernel of the
-    stacked layer params whose output width is a multiple of COLS, packed in its own dtype or in
-    `dtype` (the others keep XLA's dot)."""
+def head_layout(d: int, vocab: int, dtype) -> tuple:
+    """(shape, dtype) of `pack_head` (bf16 `dtype`: [1, V / 32, d, 32]) or, f32, of `pack_head_screen`."""
+    tiles = -(-vocab // COLS)
+    if np.dtype(dtype) == jnp.bfloat16:
+        return (1, tiles, d, COLS), np.dtype(jnp.bfloat16)
+    return (1, tiles, (d + 1) // 2, 2 * COLS), np.dtype(jnp.bfloat16)
+
+
+def layers_layout(layers: dict, dtype=None) -> dict:
+    """{name: (shape, dtype)} of what `pack_layers(layers, dtype)` returns."""
+    return {name: ((L, f // COLS, d, COLS), np.dtype(dtype or w.dtype)) for name, w in _packable(layers).items()
+            for L, d, f in [w.shape]}
+
+
+def _packable(layers: dict) -> dict:
+    """{"q_proj": kernel, "mlp/gate_proj": ...}: the stacked Dense kernels the matmul kernel serves."""
     out = {}
 
     def visit(tree, path):
         for name, sub in tree.items():
             if (name == "kernel" and getattr(sub, "ndim", 0) == 3 and sub.dtype in DTYPES
                     and sub.shape[2] % COLS == 0):
-                out["/".join(path)] = on_cpu(pack(sub, dtype or sub.dtype))
+                out["/".join(path)] = sub
             elif isinstance(sub, dict):
                 visit(sub, path + (name,))
 
     visit(layers, ())
     return out
+
+
+def pack_layers(layers: dict, dtype=None, into: dict | None = None) -> dict:
+    """{"q_proj": [L, f/32, d, 32], "mlp/gate_proj": ...}: every f32 or bf16 Dense kernel of the
+    stacked layer params whose output width is a multiple of COLS, packed in its own dtype or in
+    `dtype` (the others keep XLA's dot), as CPU JAX arrays; or written into `into`'s host arrays
+    (`layers_layout`), which it returns."""
+    if into is not None:
+        return {name: pack(w, dtype or w.dtype, into[name]) for name, w in _packable(layers).items()}
+    return {name: on_cpu(pack(w, dtype or w.dtype)) for name, w in _packable(layers).items()}
 
 
 def stacked_matmul(x, packed, layer, active=None):

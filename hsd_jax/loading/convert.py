@@ -74,11 +74,15 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str, host: bool = False) -> dict:
+def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str, host: bool = False,
+                 out: dict | None = None) -> dict:
     """Assemble params from `get(hf_name) -> array`, checking every shape against the config.
 
     host=True keeps them as host numpy arrays, so a mesh can place each slice straight into
-    its device (`sharding.shard_params`) without a full copy on one device first."""
+    its device (`sharding.shard_params`) without a full copy on one device first. `out`: host
+    arrays by flat name (`param_shapes`) to fill and return instead of new ones (a weights-cache
+    file's mapping, `weights_cache.create`)."""
+    out = out or {}
     dtype = jnp_dtype(cfg)
     asarray = (lambda a, dt: np.asarray(a, dt)) if host else jnp.asarray
     get(f"model.layers.{cfg.num_layers - 1}.input_layernorm.weight")   # a damaged layer count fails here, at once
@@ -100,17 +104,27 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], source: str
             arr = fetch(f"model.layers.{i}.{hf_name}")
             arr = arr.T if transpose else arr
             if stacked is None:
-                stacked = np.empty((cfg.num_layers,) + arr.shape, arr.dtype)
+                stacked = out.get("layers/" + "/".join(path))
+                stacked = np.empty((cfg.num_layers,) + arr.shape, arr.dtype) if stacked is None else stacked
             stacked[i] = arr
         node = layers
         for p in path[:-1]:
             node = node.setdefault(p, {})
         node[path[-1]] = asarray(stacked, dtype)
+
+    def whole(name: str, hf_name: str, transpose: bool = False):
+        arr = fetch(hf_name)
+        arr = arr.T if transpose else arr
+        if name in out:
+            np.copyto(out[name], arr)
+            arr = out[name]
+        return asarray(arr, dtype)
+
     params = {
-        "embed_tokens": {"embedding": asarray(fetch("model.embed_tokens.weight"), dtype)},
+        "embed_tokens": {"embedding": whole("embed_tokens/embedding", "model.embed_tokens.weight")},
         "layers": layers,
-        "norm": {"scale": asarray(fetch("model.norm.weight"), dtype)},
+        "norm": {"scale": whole("norm/scale", "model.norm.weight")},
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = {"kernel": asarray(fetch("lm_head.weight").T, dtype)}
+        params["lm_head"] = {"kernel": whole("lm_head/kernel", "lm_head.weight", transpose=True)}
     return params

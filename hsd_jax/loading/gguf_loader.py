@@ -119,10 +119,23 @@ def load_gguf(path: str, host: bool = False, **overrides) -> tuple[ModelConfig, 
     # an f32 model on the CPU uses the cache file's mapped pages as they are (no two copies of 0.5 GB);
     # fresh params are committed to the CPU alike, so both lower to the same programs
     mapped = not host and dtype == jnp.float32 and jax.default_backend() == "cpu"
-    f32 = weights_cache.load(path, param_shapes(cfg), mapped=mapped)
+    shapes = param_shapes(cfg)
+    f32 = weights_cache.load(path, shapes, mapped=mapped)
     if f32 is not None and mapped:
         return cfg, f32
-    if f32 is None:
+    if f32 is None and mapped:   # decoded straight into the cache file, then served from its mapping
+        file = weights_cache.create(path, "", {k: (s, np.float32) for k, s in shapes.items()})
+        try:
+            f32 = _dequantized_params(gf, cfg.replace(dtype="float32"), path, out=file and file.arrays)
+        except BaseException:
+            if file is not None:
+                file.discard()
+            raise
+        if file is not None and file.commit():
+            back = weights_cache.load(path, shapes, mapped=True)
+            if back is not None:
+                return cfg, back
+    elif f32 is None:
         f32 = _dequantized_params(gf, cfg.replace(dtype="float32"), path)
         weights_cache.store(path, f32)
     if mapped:
@@ -153,8 +166,9 @@ def dequantize(raw: np.ndarray, kind: str) -> np.ndarray | None:
     return out.reshape(raw.shape[0], -1)
 
 
-def _dequantized_params(gf: GGUFFile, cfg: ModelConfig, path: str) -> dict:
-    """The float32 param tree of a GGUF file as host numpy arrays (the quantized blocks decoded)."""
+def _dequantized_params(gf: GGUFFile, cfg: ModelConfig, path: str, out: dict | None = None) -> dict:
+    """The float32 param tree of a GGUF file as host numpy arrays (the quantized blocks decoded),
+    into `out`'s arrays where given (`build_params`)."""
     import gguf
 
     tensors = gf.tensors
@@ -185,4 +199,4 @@ def _dequantized_params(gf: GGUFFile, cfg: ModelConfig, path: str) -> dict:
             w = _unpermute(w, cfg.num_kv_heads)
         return w
 
-    return build_params(cfg, get, path, host=True)
+    return build_params(cfg, get, path, host=True, out=out)

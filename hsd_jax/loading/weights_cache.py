@@ -14,10 +14,14 @@ arrays of a drafter's Orbax checkpoint (`api.load_drafter`: a folder, fingerprin
 read back without importing Orbax.
 Storing a file's weights removes the cache files of older versions of a file of that name (a
 reinstalled model: another fingerprint). `HSD_JAX_WEIGHTS_CACHE=0` turns the cache off. Read with `safetensors` (no pickle); written to a
-temporary file then renamed, so a concurrent reader never sees half a file. Writes run in a
-background thread (a first load's ~1 GB of files then overlaps its compile and decode instead of
-preceding them); every read in the process waits for them first, and so does `wait_for_writes()`,
-which the CLI calls before it ends the process.
+temporary file then renamed, so a concurrent reader never sees half a file. An f32 GGUF load on
+the CPU decodes its weights, and packs them for the CPU kernels, straight into such a temporary
+file's mapping (`create`, `InPlace`) and then serves the renamed file's pages: no second copy of
+~0.5 GB each to write out (on a VM whose host backs fresh pages lazily, that copy cost a first
+process seconds). Other writes (`store`, `store_derived`) run in a low-priority background thread;
+every read in the process waits for them first, and so does `wait_for_writes()`, which the CLI calls
+before it ends the process. A process serves mapped pages: damage written into a cache file in
+place (the cache itself never does) reaches the processes that map it.
 """
 from __future__ import annotations
 
@@ -45,8 +49,17 @@ _WRITES: list[threading.Thread] = []   # background writes not yet joined (`wait
 
 
 def _in_background(fn, *args) -> None:
-    """Run a cache write in a thread of its own (not a daemon: an interpreter's normal exit joins it)."""
-    thread = threading.Thread(target=fn, args=args, name="hsd-weights-cache-write")
+    """Run a cache write in a thread of its own (not a daemon: an interpreter's normal exit joins it),
+    at the lowest CPU priority: it takes the cores the first process's model load, kernel build and
+    compile leave idle instead of slowing them (on 2 cores a write beside them cost the load seconds)."""
+    def idle():
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)   # Linux: this thread alone
+        except (AttributeError, OSError):
+            pass
+        fn(*args)
+
+    thread = threading.Thread(target=idle, name="hsd-weights-cache-write")
     thread.start()
     _WRITES.append(thread)
 
@@ -298,19 +311,26 @@ def _dtype(name: str) -> np.dtype:
 SAFETENSORS_NAMES = {np.dtype(v).str: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-def _save(flat: dict, target: str, metadata: dict) -> None:
-    """Write arrays of SAFETENSORS_DTYPES as a safetensors file (its layout: an 8-byte header size, the
-    JSON header padded to 8 bytes, the tensors' bytes in order), each array straight from its memory:
-    `safetensors.numpy.save_file` first copies every tensor into one bytes object while holding the
-    GIL (a first load's 0.5 GB write then slows the main thread for seconds)."""
-    header, offset = {"__metadata__": metadata}, 0
-    for name in sorted(flat):
-        a = flat[name]
-        header[name] = {"dtype": SAFETENSORS_NAMES[a.dtype.newbyteorder("<").str], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
+def _header(layout: dict, metadata: dict) -> tuple[bytes, dict]:
+    """A safetensors header (padded to 8 bytes) for arrays of `layout` (name -> (shape, numpy dtype of
+    SAFETENSORS_DTYPES)) stored in name order, and each array's (start, end) in the data that follows."""
+    header, spans, offset = {"__metadata__": metadata}, {}, 0
+    for name in sorted(layout):
+        shape, dtype = layout[name]
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        spans[name] = (offset, offset + size)
+        header[name] = {"dtype": SAFETENSORS_NAMES[np.dtype(dtype).newbyteorder("<").str], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    return text + b" " * (-len(text) % 8), spans
+
+
+def _save(flat: dict, target: str, metadata: dict) -> None:
+    """Write arrays of SAFETENSORS_DTYPES as a safetensors file (an 8-byte header size, the JSON header,
+    the tensors' bytes in name order), each array straight from its memory: `safetensors.numpy.save_file`
+    first copies every tensor into one bytes object (0.5 GB of fresh memory for a first load's weights)."""
+    text, _ = _header({k: (v.shape, v.dtype) for k, v in flat.items()}, metadata)
     with open(target, "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
@@ -318,6 +338,79 @@ def _save(flat: dict, target: str, metadata: dict) -> None:
             a = np.ascontiguousarray(flat[name], flat[name].dtype.newbyteorder("<"))
             if a.size:
                 f.write(a.reshape(-1).view(np.uint8).data)
+
+
+PENDING = "pending-checksum"   # as wide as a checksum: `InPlace.commit` writes the real one over it
+
+
+class InPlace:
+    """A cache file written where its arrays live (`create`): `arrays` are views of a temporary file's
+    shared mapping for the caller to fill, then `commit()` writes the checksum into the header and
+    renames the file into place. The filled arrays are then the file's page-cache pages: a first load
+    touches half the fresh memory of filling arrays and writing them out (on a VM whose host backs
+    each fresh page lazily, seconds of a first process), and no write runs beside it."""
+
+    def __init__(self, path: str, variant: str, source: str, target: str, tmp: str, header: bytes, arrays: dict):
+        self.path, self.variant, self.source, self.target, self.tmp = path, variant, source, target, tmp
+        self.header, self.arrays = header, arrays
+
+    def commit(self) -> bool:
+        """Seal and install the file (False, with a warning, when that fails: the arrays stay valid)."""
+        try:
+            stored = {k: v.view(f"u{v.dtype.itemsize}") if v.dtype.kind not in "fiub" else v
+                      for k, v in self.arrays.items()}
+            sealed = self.header.replace(f'"checksum":"{PENDING}"'.encode(),
+                                         f'"checksum":"{checksum(stored)}"'.encode(), 1)
+            with open(self.tmp, "r+b") as f:
+                f.seek(8)
+                f.write(sealed)
+            os.replace(self.tmp, self.target)
+        except OSError as e:
+            warnings.warn(f"could not write the weights cache: {e}", stacklevel=2)
+            self.discard()
+            return False
+        if not self.variant:
+            _evict_older(self.path, self.source)
+        return True
+
+    def discard(self) -> None:
+        """Leave no file behind (the arrays stay valid: the mapping outlives the name)."""
+        try:
+            os.remove(self.tmp)
+        except OSError:
+            pass
+
+
+def create(path: str, variant: str, layout: dict) -> InPlace | None:
+    """An `InPlace` cache file for arrays of `layout` (flat name -> (shape, dtype), bfloat16 included)
+    derived from `path` under `variant` ("" for its float32 params); None when the cache is off, this
+    process does not write (not process 0) or the folder is not writable."""
+    from hsd_jax import distributed
+
+    if disabled() or not distributed.is_primary():
+        return None
+    layout = {k: (tuple(int(n) for n in shape), np.dtype(dt)) for k, (shape, dt) in layout.items()}
+    dtypes = {k: dt.name for k, (_, dt) in layout.items() if dt.kind not in "fiub"}
+    stored = {k: (shape, np.dtype(f"u{dt.itemsize}") if k in dtypes else dt) for k, (shape, dt) in layout.items()}
+    try:
+        source = fingerprint(path)
+        target = cache_file(path, variant, source)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        header, spans = _header(stored, {"source": source, "variant": variant, "checksum": PENDING,
+                                         "format": FORMAT, "dtypes": json.dumps(dtypes)})
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(len(header).to_bytes(8, "little"))
+            f.write(header)
+            f.truncate(8 + len(header) + max((end for _, end in spans.values()), default=0))
+        mm = np.memmap(tmp, mode="r+")
+    except OSError as e:
+        warnings.warn(f"could not write the weights cache: {e}", stacklevel=2)
+        return None
+    base = 8 + len(header)
+    arrays = {k: mm[base + a:base + b].view(stored[k][1]).reshape(shape).view(dt)
+              for k, (a, b) in spans.items() for shape, dt in [layout[k]]}
+    return InPlace(path, variant, source, target, tmp, header, arrays)
 
 
 def _write(path: str, variant: str, flat: dict, source: str | None = None) -> str | None:
