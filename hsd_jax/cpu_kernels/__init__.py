@@ -147,12 +147,13 @@ def pack_pairs(w, into: np.ndarray | None = None) -> np.ndarray:
     `stacked_matmul` rounds them to bf16. Written into `into` where given."""
     w = np.asarray(w, np.float32)
     L, d, f = w.shape
-    w = np.pad(w, ((0, 0), (0, d % 2), (0, 0)))
-    tiles = w.reshape(L, -1, 2, f // COLS, 2, COLS // 2).transpose(0, 3, 1, 4, 5, 2)   # [L, t, p, half, c, k]
-    if into is not None:
-        into[...] = tiles.reshape(L, f // COLS, -1, 2 * COLS)
-        return into
-    return np.ascontiguousarray(tiles.reshape(L, f // COLS, -1, 2 * COLS).astype(jnp.bfloat16))
+    if d % 2:
+        w = np.pad(w, ((0, 0), (0, 1), (0, 0)))
+    dp = w.shape[1] // 2
+    tiles = w.reshape(L, dp, 2, f // COLS, 2, COLS // 2).transpose(0, 3, 1, 4, 5, 2)   # [L, t, p, half, c, k]
+    out = np.empty((L, f // COLS, dp, 2 * COLS), jnp.bfloat16) if into is None else into
+    out.reshape(L, f // COLS, dp, 2, COLS // 2, 2)[...] = tiles   # rounded as written: no f32 copy first
+    return out
 
 
 def bf16_dot_products() -> bool:
@@ -165,14 +166,14 @@ def pack_head(weight, dtype, into: np.ndarray | None = None) -> np.ndarray:
     """An LM head [d, V] as [1, ceil(V / 32), d, 32] in `dtype`, the vocabulary zero-padded to
     whole column tiles (`stacked_matmul`'s output then has V rounded up to 32 columns)."""
     w = np.asarray(weight, np.float32)
-    return pack(np.pad(w, ((0, 0), (0, -w.shape[1] % COLS)))[None], dtype, into)
+    return pack((np.pad(w, ((0, 0), (0, -w.shape[1] % COLS))) if w.shape[1] % COLS else w)[None], dtype, into)
 
 
 def pack_head_screen(embedding, into: np.ndarray | None = None) -> np.ndarray:
     """The bf16 screen of a tied f32 LM head (`llama.screened_argmax`) from the embedding [V, d], in
     pairs (`pack_pairs`; its inputs are bf16 values), the vocabulary zero-padded to whole column tiles."""
     e = np.asarray(embedding, np.float32)
-    return pack_pairs(np.pad(e.T, ((0, 0), (0, -e.shape[0] % COLS)))[None], into)
+    return pack_pairs((np.pad(e.T, ((0, 0), (0, -e.shape[0] % COLS))) if e.shape[0] % COLS else e.T)[None], into)
 
 
 def head_layout(d: int, vocab: int, dtype) -> tuple:
