@@ -346,6 +346,25 @@ def test_a_first_load_decodes_and_packs_straight_into_the_cache_files(tmp_path, 
                    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(fresh)))
 
 
+def test_a_full_disk_leaves_the_first_load_whole_and_no_file_behind(tmp_path, monkeypatch):
+    """The in-place cache files reserve their blocks first: a full disk is a warning (no SIGBUS when a
+    mapped page is written later), the load serves what a cache-off load does, no file is left."""
+    monkeypatch.setenv("HSD_JAX_CACHE", str(tmp_path / "cache"))
+    model = tiny_smollm2_gguf(tmp_path / "model.gguf", hidden=32, heads=4, kv_heads=2)
+    monkeypatch.setenv(weights_cache.ENV, "0")
+    want = jax.tree.map(np.array, api.load_target(model, tokenizer=False).params)
+    monkeypatch.delenv(weights_cache.ENV)
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weights_cache.os, "posix_fallocate", full)
+    with pytest.warns(UserWarning, match="could not write the weights cache.*No space left"):
+        got = api.load_target(model, tokenizer=False)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want)))
+    assert os.listdir(tmp_path / "cache" / "weights") == []
+
+
 def test_loading_and_packing_for_the_cpu_kernels_compile_no_program(smol, caplog):
     """A drafter's load (the shipped one: bf16 params, cast to the f32 target's dtype) and the
     target's and drafter's packing for the CPU kernels (fresh, or mapped back from the weights cache)

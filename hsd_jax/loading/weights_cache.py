@@ -399,13 +399,20 @@ def create(path: str, variant: str, layout: dict) -> InPlace | None:
         header, spans = _header(stored, {"source": source, "variant": variant, "checksum": PENDING,
                                          "format": FORMAT, "dtypes": json.dumps(dtypes)})
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
+    except OSError as e:
+        warnings.warn(f"could not write the weights cache: {e}", stacklevel=2)
+        return None
+    try:
         with os.fdopen(fd, "wb") as f:
             f.write(len(header).to_bytes(8, "little"))
             f.write(header)
-            f.truncate(8 + len(header) + max((end for _, end in spans.values()), default=0))
+            f.flush()
+            # the blocks reserved now: a full disk is an error here, not a SIGBUS when a mapped page is written
+            os.posix_fallocate(f.fileno(), 0, 8 + len(header) + max((end for _, end in spans.values()), default=0))
         mm = np.memmap(tmp, mode="r+")
     except OSError as e:
         warnings.warn(f"could not write the weights cache: {e}", stacklevel=2)
+        os.remove(tmp)
         return None
     base = 8 + len(header)
     arrays = {k: mm[base + a:base + b].view(stored[k][1]).reshape(shape).view(dt)
