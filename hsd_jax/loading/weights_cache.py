@@ -340,6 +340,12 @@ def _save(flat: dict, target: str, metadata: dict) -> None:
                 f.write(a.reshape(-1).view(np.uint8).data)
 
 
+def _stored(dtype: np.dtype) -> np.dtype:
+    """The dtype an array is stored as: its own, or (one safetensors' numpy API lacks, e.g. bfloat16)
+    the unsigned integer of its width, its name recorded in the header's `dtypes`."""
+    return dtype if dtype.kind in "fiub" else np.dtype(f"u{dtype.itemsize}")
+
+
 PENDING = "pending-checksum"   # as wide as a checksum: `InPlace.commit` writes the real one over it
 
 
@@ -357,10 +363,8 @@ class InPlace:
     def commit(self) -> bool:
         """Seal and install the file (False, with a warning, when that fails: the arrays stay valid)."""
         try:
-            stored = {k: v.view(f"u{v.dtype.itemsize}") if v.dtype.kind not in "fiub" else v
-                      for k, v in self.arrays.items()}
             sealed = self.header.replace(f'"checksum":"{PENDING}"'.encode(),
-                                         f'"checksum":"{checksum(stored)}"'.encode(), 1)
+                                         f'"checksum":"{checksum(self.arrays)}"'.encode(), 1)   # of the bytes
             with open(self.tmp, "r+b") as f:
                 f.seek(8)
                 f.write(sealed)
@@ -390,8 +394,8 @@ def create(path: str, variant: str, layout: dict) -> InPlace | None:
     if disabled() or not distributed.is_primary():
         return None
     layout = {k: (tuple(int(n) for n in shape), np.dtype(dt)) for k, (shape, dt) in layout.items()}
-    dtypes = {k: dt.name for k, (_, dt) in layout.items() if dt.kind not in "fiub"}
-    stored = {k: (shape, np.dtype(f"u{dt.itemsize}") if k in dtypes else dt) for k, (shape, dt) in layout.items()}
+    dtypes = {k: dt.name for k, (_, dt) in layout.items() if _stored(dt) != dt}
+    stored = {k: (shape, _stored(dt)) for k, (shape, dt) in layout.items()}
     try:
         source = fingerprint(path)
         target = cache_file(path, variant, source)
@@ -430,8 +434,8 @@ def _write(path: str, variant: str, flat: dict, source: str | None = None) -> st
 
     if disabled() or not distributed.is_primary():
         return None
-    dtypes = {k: v.dtype.name for k, v in flat.items() if v.dtype.kind not in "fiub"}
-    flat = {k: v.view(f"u{v.dtype.itemsize}") if k in dtypes else v for k, v in flat.items()}
+    dtypes = {k: v.dtype.name for k, v in flat.items() if _stored(v.dtype) != v.dtype}
+    flat = {k: v.view(_stored(v.dtype)) for k, v in flat.items()}
     try:
         source = source or fingerprint(path)
         target = cache_file(path, variant, source)
