@@ -134,7 +134,8 @@ def main() -> None:
                 seed_history(kind, cfg.out_dir)
                 cfg = dataclasses.replace(cfg, init_from=os.path.join(STATE, kind, "drafter"), start_step=there)
             # the self-distilled sets (and the held-out rows) first; text sets join once their features are cached
-            ready = [d for d in cfg.data_dirs if d not in TEXT_DATA or cache_complete(d, cfg.feature_cache)]
+            ready = [d for d in cfg.data_dirs
+                     if d not in TEXT_DATA or cache_complete(d, cfg.feature_cache, cfg.feature_layers)]
             weights = tuple(w for d, w in zip(cfg.data_dirs, cfg.data_weights) if d in ready)
             cfg = dataclasses.replace(cfg, data_dir=tuple(ready), data_weights=weights)
             step = max(here, there)
@@ -151,10 +152,10 @@ def main() -> None:
         if not pending:
             print("[campaign] done", flush=True)
             return
-        missing = [d for d in TEXT_DATA if not cache_complete(d, cfg.feature_cache)]
+        missing = [d for d in TEXT_DATA if not cache_complete(d, cfg.feature_cache, cfg.feature_layers)]
         if missing:   # one more text set's features before the next round
             build_feature_cache(target, missing[0], cfg.feature_cache, batch_size=cfg.feature_batch,
-                                matmul_dtype=cfg.compute_dtype)
+                                feature_layers=cfg.feature_layers, matmul_dtype=cfg.compute_dtype)
 
 
 if __name__ == "__main__":
