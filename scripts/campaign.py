@@ -75,6 +75,27 @@ def seed_history(kind: str, run_dir: str) -> None:
         f.writelines(json.dumps(point) + "\n" for point in curve)
 
 
+def run_from_state(kind: str, config: str, out: str) -> str:
+    """A run directory for `ship` made from the committed state alone (a machine without the run): its
+    drafter, the config it trained with, the held-out curve and the data's token counts."""
+    from hsd_jax.train.data import load_shards
+    from hsd_jax.train.trainer import TrainConfig
+
+    with open(os.path.join(STATE, kind, "state.json")) as f:
+        state = json.load(f)
+    cfg = TrainConfig.from_yaml(config, out_dir=out)
+    seqs, plens = load_shards(cfg.data_dirs)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(os.path.join(STATE, kind, "drafter"), os.path.join(out, "drafter"))
+    with open(os.path.join(out, "train_config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    with open(os.path.join(out, "metrics.json"), "w") as f:
+        json.dump({"final": state["history"][-1], "history": state["history"][:-1],
+                   "train_tokens": int(sum(len(s) for s in seqs)),
+                   "response_tokens": int(sum(len(s) - p for s, p in zip(seqs, plens)))}, f, indent=1)
+    return out
+
+
 def ship_finished(runs: str, kinds: list[str], notes: str) -> None:
     """Ship every kind whose run reached its config's steps (`hsd_jax.train.ship`: drafter and card)."""
     from hsd_jax.train.ship import ship
@@ -84,7 +105,9 @@ def ship_finished(runs: str, kinds: list[str], notes: str) -> None:
         config = f"configs/train/campaign_{kind}.yaml"
         steps = TrainConfig.from_yaml(config).steps
         run_dir = os.path.join(runs, kind)
-        if latest_checkpoint(run_dir) < steps:
+        if latest_checkpoint(run_dir) < steps <= committed_step(kind):   # a new machine: the committed state
+            run_dir = run_from_state(kind, config, os.path.join(runs, f"{kind}-committed"))
+        elif latest_checkpoint(run_dir) < steps:
             raise SystemExit(f"{kind}: the run in {run_dir} is at step {latest_checkpoint(run_dir)} of {steps}; "
                              "finish it first")
         text = (f"Trained by `scripts/campaign.py` (issue 37): hsd and eagle at equal budget (same data, steps, "

@@ -689,6 +689,36 @@ def test_campaign_new_machine_keeps_committed_curve(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "runs" / "eagle")
 
 
+def test_campaign_ships_from_the_committed_state_on_a_new_machine(tmp_path, tiny_data, monkeypatch):
+    """`campaign.py --ship` where the run directory is gone: the drafter, config, curve and the data's token
+    counts come from the committed state and the config; the card says the losses stayed behind."""
+    import importlib.util
+
+    import hsd_jax.train.ship as ship_mod
+    from hsd_jax.train.data import load_shards
+
+    spec = importlib.util.spec_from_file_location("campaign", os.path.join(os.path.dirname(__file__), "..",
+                                                                           "scripts", "campaign.py"))
+    campaign = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(campaign)
+    monkeypatch.setattr(campaign, "STATE", str(tmp_path / "state"))
+    monkeypatch.setattr(ship_mod, "SHIPPED_DRAFTERS", str(tmp_path / "package"))
+    curve = [{"step": s, "accept_by_depth": [a], "chain_tau_estimate": 1.5} for s, a in ((0, 0.4), (250, 0.42), (500, 0.45))]
+    os.makedirs(tmp_path / "state" / "hsd" / "drafter")
+    (tmp_path / "state" / "hsd" / "drafter" / "drafter.json").write_text("{}")
+    json.dump({"kind": "hsd", "step": 500, "history": curve}, open(tmp_path / "state" / "hsd" / "state.json", "w"))
+    config = tmp_path / "campaign_hsd.yaml"
+    config.write_text(f"kind: hsd\ndata_dir: [{tiny_data}]\nsteps: 500\nbatch_size: 8\nwindow: 40\n")
+    run = campaign.run_from_state("hsd", str(config), str(tmp_path / "runs" / "hsd-committed"))
+    dst = ship_mod.ship(run, "tiny", "hsd", config_path=str(config), command="campaign")
+    card = open(os.path.join(dst, "MODEL_CARD.md")).read()
+    seqs, plens = load_shards([tiny_data])
+    assert f"{sum(len(s) for s in seqs)} tokens in all, {sum(len(s) - p for s, p in zip(seqs, plens))} of them" in card
+    assert "| 500 | [0.45] | 1.5 |" in card and "| 250 | [0.42] | 1.5 |" in card
+    assert "shipped from the committed state" in card and "loss:" not in card
+    assert os.path.isfile(os.path.join(dst, "drafter.json"))
+
+
 def test_a_long_learning_curve_is_thinned_to_round_steps_on_the_card():
     """A campaign's 72-point curve goes on its card at every 1000 steps; a short one whole."""
     from hsd_jax.train.ship import _thinned
