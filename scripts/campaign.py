@@ -110,8 +110,8 @@ def ship_finished(runs: str, kinds: list[str], notes: str) -> None:
         elif latest_checkpoint(run_dir) < steps:
             raise SystemExit(f"{kind}: the run in {run_dir} is at step {latest_checkpoint(run_dir)} of {steps}; "
                              "finish it first")
-        text = (f"Trained by `scripts/campaign.py` (issue 37): hsd and eagle at equal budget (same data, steps, "
-                f"unroll, draft vocabulary and warm start from the previously shipped drafter), in chunks of "
+        text = (f"Trained by `scripts/campaign.py` (issue 37): hsd, eagle and eagle3 at equal budget (same data, "
+                f"steps, unroll, draft vocabulary, each warm-started from its previously shipped drafter), in chunks of "
                 f"250 steps, resumed across sessions from `train_data/campaign/{kind}/`. " + notes).strip()
         print(ship(run_dir, "smollm2-135m", kind, config_path=config,
                    command="python scripts/campaign.py --chunk 250", notes=text))
