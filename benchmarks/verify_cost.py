@@ -7,13 +7,15 @@ the cache write), `forward_xla_attention` (the same with XLA's tree attention wh
 kernel would serve it: the attention kernel's effect), `verify` (forward plus the greedy head, as `engine.target_verdict` at T = 0:
 the certified bf16 screen where the engine builds one), `verify_f32_head` (forward plus the f32
 logits sampling reads) and `verify_dot_head` (the f32 head as one dot, the form before
-`llama.streams_head_rows`).
+`llama.streams_head_rows`). Each donates its cache and gets it back written (`tune.in_place`):
+the write in place, as the decode loop runs it, not a copy of the whole cache per call.
 
     python benchmarks/verify_cost.py --json benchmarks/results/cpu-2cores/verify_cost.json
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from unittest import mock
@@ -40,30 +42,33 @@ def main() -> None:
     from hsd_jax.api import serving_params
     from hsd_jax.bench import interleaved_ms, machine_info
     from hsd_jax.models import llama
-    from hsd_jax.tune import verify_inputs, verify_program
+    from hsd_jax.tune import in_place, verify_inputs, verify_program
 
     sizes = [int(s) for s in args.sizes.split(",")]
     target = load_target(args.model, tokenizer=False, dtype=args.dtype)
     cfg = target.config
-    params = serving_params(target) if args.cpu_kernel else target.params
+    params = serving_params(target, ready=True) if args.cpu_kernel else target.params
 
     def forward(params, toks, pos, cache, parents, screen):
-        return llama.forward(params, cfg, toks, pos, cache, parents).features
+        out = llama.forward(params, cfg, toks, pos, cache, parents)
+        return out.features, out.cache.replace(lengths=cache.lengths)
 
     def forward_xla_attention(params, toks, pos, cache, parents, screen):
         with mock.patch.object(cpu_kernels, "attention_supported", lambda *a: False):     # at trace time
-            return llama.forward(params, cfg, toks, pos, cache, parents).features
+            return forward(params, toks, pos, cache, parents, screen)
 
     def verify_dot_head(params, toks, pos, cache, parents, screen):
-        return llama.logits_from_features(params, cfg, llama.forward(params, cfg, toks, pos, cache, parents).features)
+        features, cache = forward(params, toks, pos, cache, parents, screen)
+        return llama.logits_from_features(params, cfg, features), cache
 
-    programs = {"forward": jax.jit(forward), "forward_xla_attention": jax.jit(forward_xla_attention),
+    donating = functools.partial(jax.jit, donate_argnums=(3,))   # the cache written in place, as in the decode loop
+    programs = {"forward": donating(forward), "forward_xla_attention": donating(forward_xla_attention),
                 "verify": verify_program(cfg), "verify_f32_head": verify_program(cfg, False),
-                "verify_dot_head": jax.jit(verify_dot_head)}
+                "verify_dot_head": donating(verify_dot_head)}
     if args.programs:
         programs = {name: programs[name] for name in args.programs.split(",")}
     inputs = {n: [(params, *verify_inputs(cfg, n, args.context, params), llama.head_screen(params, cfg, n))] for n in sizes}
-    ms_by_name = interleaved_ms(programs, inputs, args.rounds)
+    ms_by_name = interleaved_ms({name: in_place(fn) for name, fn in programs.items()}, inputs, args.rounds)
     out = {"n": sizes, "context": args.context, "dtype": args.dtype, "rounds": args.rounds, "model": args.model,
            "machine": machine_info(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "cpu_kernel": "packed_kernels" in params}

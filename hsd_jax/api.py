@@ -223,15 +223,20 @@ def compile_options(params, kernels: bool = False) -> dict:
     return options
 
 
-def serving_params(target: Target) -> dict:
+def serving_params(target: Target, ready: bool = False) -> dict:
     """The target's params for decoding: with the packed layer weights of `hsd_jax.cpu_kernels`
     (built once per Target) when the kernels are enabled, else as loaded. An f32 model adds its
-    tied LM head's bf16 screen (`head_screen`), a bf16 model its whole LM head in bf16 (`head`)."""
+    tied LM head's bf16 screen (`head_screen`), a bf16 model its whole LM head in bf16 (`head`).
+
+    While a first process's kernel build still runs they come packed for it without waiting
+    (`generate` lowers ahead, `compiled` waits). `ready`: for a program jitted outside `generate`
+    (`hsd tune`, benchmarks): wait for that build and its kernels' registration first, and leave the
+    packed copies out if it failed (else XLA finds no handler for the kernels' calls)."""
     if target.config.dtype not in ("float32", "bfloat16") or not cpu_kernels.wanted():
         return target.params
     if target._packed is None or target._packed[0] is not target.params:   # packed while a first process's
         target._packed = (target.params, _packed_target(target))            # kernel build still runs
-    if not cpu_kernels.expected():
+    if not cpu_kernels.expected() or (ready and not cpu_kernels.enabled()):
         return target.params
     return dict(target.params, packed_kernels=target._packed[1])
 

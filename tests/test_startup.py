@@ -114,6 +114,22 @@ def test_programs_lowered_for_a_kernel_build_that_then_fails_are_made_again_with
     assert generate(t, prompt, max_new_tokens=8)[0].token_ids == got.token_ids
 
 
+def test_programs_jitted_outside_generate_wait_for_the_kernel_build(monkeypatch):
+    """`hsd tune`'s verify curve (jitted outside `generate`, as the benchmarks are) waits for a build
+    still running before it runs: it found no FFI handler for the kernels' calls on a first process.
+    A build that fails leaves it on XLA's dots."""
+    from hsd_jax import tune
+
+    t = tiny_target(vocab=64, hidden=64, tie_word_embeddings=True, seed=8, max_cache_len=64)
+    for works in (cpu_kernels.enabled, lambda: False):
+        state = _build_running(monkeypatch, works)
+        assert "packed_kernels" in api.serving_params(t) or not cpu_kernels.wanted()   # not waiting: packed for the build
+        assert state["waits"] == []
+        ms = tune.verify_cost_curve(t, sizes=(1, 2), context=8, repeats=1)
+        assert state["waits"] and sorted(ms) == [1, 2] and all(v > 0 for v in ms.values())
+        assert ("packed_kernels" in api.serving_params(t, ready=True)) == bool(works())
+
+
 def test_warmup_compiles_every_bucket_and_the_loop_ahead_of_generate():
     t = tiny_target(vocab=64, hidden=32, max_cache_len=128)
     api._COMPILED.clear()

@@ -99,7 +99,7 @@ def test_the_timed_verify_is_the_engines_greedy_verdict():
 
     target = tiny_target(vocab=64, tie_word_embeddings=True)
     cfg, params = target.config, target.params
-    greedy, f32 = tune.verify_program(cfg), tune.verify_program(cfg, greedy=False)
+    greedy, f32 = tune.in_place(tune.verify_program(cfg)), tune.in_place(tune.verify_program(cfg, greedy=False))
     for n in (1, 3, 8):
         args = tune.verify_inputs(cfg, n, context=5)
         screen = llama.head_screen(params, cfg, n)
@@ -108,6 +108,24 @@ def test_the_timed_verify_is_the_engines_greedy_verdict():
         tokens, certified = out if screen is not None else (out, np.ones(n, bool))
         assert np.asarray(certified).all()
         np.testing.assert_array_equal(np.ravel(tokens), np.ravel(np.argmax(f32(params, *args, None), -1)))
+
+
+def test_the_timed_verify_writes_its_cache_in_place():
+    """The timed verify donates its cache (a decode loop's write in place, not a whole-cache copy per
+    call); `in_place` copies a caller's cache once and keeps what each call wrote, lengths unchanged."""
+    import numpy as np
+
+    target = tiny_target(vocab=64)
+    cfg, params = target.config, target.params
+    tokens, positions, cache, parents = tune.verify_inputs(cfg, 3, context=5)
+    written = tune.verify_program(cfg)(params, tokens, positions, cache, parents, None)[1]
+    assert cache.k.is_deleted() and int(written.lengths[0]) == 5
+    assert np.abs(np.asarray(written.k[:, 0, :, 5:8])).sum() > 0 and not np.asarray(written.k[:, 0, :, 8:]).any()
+    tokens, positions, cache, parents = tune.verify_inputs(cfg, 3, context=5)
+    verify = tune.in_place(tune.verify_program(cfg))
+    first = verify(params, tokens, positions, cache, parents, None)
+    np.testing.assert_array_equal(first, verify(params, tokens, positions, cache, parents, None))
+    assert not cache.k.is_deleted() and not np.asarray(cache.k).any()
 
 
 def test_backend_defaults_fill_only_what_a_request_leaves_out():
