@@ -46,7 +46,9 @@ def tree_from_root(ops: Ops, cache: KVCache, root_g, root_tokens, spec, d2t):
 
     The drafter sees the frontier nodes of all depths so far as one tree (its own tree
     attention); a one-layer drafter's K/V depend only on each input, so recomputing them per
-    depth is exact. Returns (tree, drafter steps)."""
+    depth is exact. Each step's K/V land at scratch slots past the committed length, so the written
+    cache goes on (and is returned): discarding it made XLA copy the whole drafter cache before every
+    step. Returns (tree, drafter steps, cache)."""
     b, k = root_tokens.shape[0], spec.tree_top_k
     toks, scores = tree_lib.topk_draft(ops.logits(root_g, root_tokens), d2t, k)
     depth_tokens, depth_scores, depth_parents = [toks], [scores], [jnp.full_like(toks, -1)]
@@ -61,15 +63,16 @@ def tree_from_root(ops: Ops, cache: KVCache, root_g, root_tokens, spec, d2t):
         par_all.append(jnp.full_like(ftok, -1) if j == 1 else fpar + (j - 2) * k)
         pos_all.append(jnp.full_like(ftok, j - 1))
         pos = cache.lengths[:, None] + jnp.concatenate(pos_all, 1)
-        out, _ = ops.step(jnp.concatenate(hid_all, 1), jnp.concatenate(tok_all, 1), pos, cache,
-                          jnp.concatenate(par_all, 1))
+        out, written = ops.step(jnp.concatenate(hid_all, 1), jnp.concatenate(tok_all, 1), pos, cache,
+                                jnp.concatenate(par_all, 1))
+        cache = written.replace(lengths=cache.lengths)
         parent_g = out[:, -k:]
         ctok, clogp = tree_lib.topk_draft(ops.logits(parent_g, ftok), d2t, k)
         t, s, cand_parent_f = tree_lib.child_candidates(fscore, clogp, ctok)
         depth_tokens.append(t), depth_scores.append(s)
         depth_parents.append(jnp.take_along_axis(fidx, cand_parent_f, axis=1))
     tree = tree_lib.dynamic_tree(depth_tokens, depth_scores, depth_parents, root_tokens, spec.slots)
-    return tree, jnp.full((b,), spec.tree_depth - 1, jnp.int32)
+    return tree, jnp.full((b,), spec.tree_depth - 1, jnp.int32), cache
 
 
 def ingest_accepted(ops: Ops, cache: KVCache, tree, acc, vout, live):
@@ -101,8 +104,8 @@ def round_functions(make_ops: Callable):
         return State(cache.replace(lengths=lens), take_slots(g, (lens - 1)[:, None])[:, 0])
 
     def draft(rnd, state: State, root, history, key) -> Draft:
-        tree, steps = tree_from_root(bound(rnd), state.cache, state.root_g, root, rnd.spec, rnd.view.d2t)
-        return Draft(tree, state, steps)
+        tree, steps, cache = tree_from_root(bound(rnd), state.cache, state.root_g, root, rnd.spec, rnd.view.d2t)
+        return Draft(tree, state._replace(cache=cache), steps)
 
     def update(rnd, state: State, drft: Draft, acc, vout, live):
         cache, root_g = ingest_accepted(bound(rnd), state.cache, drft.tree, acc, vout, live)

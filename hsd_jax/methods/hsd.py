@@ -38,7 +38,9 @@ def chain_extend(dparams, dcfg, cache: KVCache, chain, start, fresh=None, every:
     every step (no reuse), so no `lax.cond`, whose operands XLA copies (the drafter's whole cache,
     a cost that grows with the capacity). A step run for other sequences leaves a sequence that
     does not need it as it was (chain and cache), so a row drafts the same in any batch. Entries
-    written past the committed length are scratch. Returns (chain, cache, steps [B]).
+    written past the committed length are scratch; with `every` nothing is kept there (a row that
+    needs no step is finished), so its slot is not put back: restoring it made XLA copy the whole
+    cache before and after each step. Returns (chain, cache, steps [B]).
     """
     b, depth, _ = chain.shape
     steps = jnp.zeros((b,), jnp.int32)
@@ -48,11 +50,13 @@ def chain_extend(dparams, dcfg, cache: KVCache, chain, start, fresh=None, every:
 
         def step(carry, i=i, need=need):
             chain, cache = carry
+            slot = (cache.lengths + i)[:, None]
             view = at_offset(cache, i)
             g, view = drafter.run_layers(dparams, dcfg, chain[:, i][:, None], view.lengths[:, None], view,
                                          root_parent)
             chain = chain.at[:, i + 1].set(jnp.where(need[:, None], g[:, 0], chain[:, i + 1]))
-            slot = (cache.lengths + i)[:, None]
+            if every:   # nothing is kept past the committed length: the step wrote only scratch
+                return chain, view.replace(lengths=cache.lengths)
             return chain, restore_at(view.replace(lengths=cache.lengths), cache, slot, ~need[:, None])
 
         chain, cache = step((chain, cache)) if every else jax.lax.cond(jnp.any(need), step, lambda c: c, (chain, cache))
