@@ -316,6 +316,7 @@ def serving_drafter_params(drafter: Drafter, target: Target, dtype: str | None =
     sd's draft LM with its layers packed in its own dtype (a draft LM's forward is the target's);
     else as loaded."""
     from hsd_jax.models.drafter import DrafterConfig, pack_draft_head
+    from hsd_jax.models.eagle3 import Eagle3Config
 
     params = drafter.params
     served = target.config.dtype in ("float32", "bfloat16") and cpu_kernels.expected()   # as `serving_params`
@@ -325,6 +326,8 @@ def serving_drafter_params(drafter: Drafter, target: Target, dtype: str | None =
         if drafter._packed is None or drafter._packed[0] is not params:
             drafter._packed = (params, None, None, cpu_kernels.pack_layers(params["layers"]))
         return dict(params, packed_kernels=drafter._packed[-1])
+    if isinstance(drafter.config, Eagle3Config) and served:
+        return _served_eagle3(drafter, jnp.dtype(dtype or DRAFTER_KERNEL_DTYPE))
     if (not isinstance(drafter.config, DrafterConfig) or not served
             or params["layers"]["mlp"]["down_proj"]["kernel"].dtype not in cpu_kernels.DTYPES):
         return params
@@ -336,6 +339,21 @@ def serving_drafter_params(drafter: Drafter, target: Target, dtype: str | None =
         if head is not None:
             packed["draft_head"] = head
         drafter._packed = (params, target.params, dtype, packed)
+    return dict(params, packed_kernels=drafter._packed[-1])
+
+
+def _served_eagle3(drafter: Drafter, dtype) -> dict:
+    """An EAGLE-3 drafter's params with its layer's, fc's and head's weights packed for the CPU kernels
+    (`eagle3.PACKED`, as [1, f / 32, d, 32] in `dtype`, the output widths zero-padded to whole tiles),
+    built once per drafter and dtype."""
+    from hsd_jax.models import eagle3
+
+    params = drafter.params
+    key = drafter._packed
+    if key is None or key[0] is not params or key[2] != dtype:
+        packed = {name: cpu_kernels.on_cpu(cpu_kernels.pack_head(w, dtype))
+                  for name, w in eagle3.kernels_of(params).items() if w.dtype in cpu_kernels.DTYPES}
+        drafter._packed = (params, None, dtype, packed)
     return dict(params, packed_kernels=drafter._packed[-1])
 
 

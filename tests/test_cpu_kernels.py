@@ -163,6 +163,39 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
 
 
 @built
+def test_eagle3_runs_its_layer_and_head_on_the_kernels():
+    """EAGLE-3's fc, layer projections, attention and head run the kernels when served (they ran XLA's
+    dots and an attention over the whole cache capacity): in f32 the same numbers as its XLA forms, a
+    chain and a tree; in bf16 (the default) the same tokens, as every draft's numerics only move acceptance."""
+    from hsd_jax.models import eagle3
+
+    t = tiny_target(vocab=64, hidden=64, tie_word_embeddings=True)    # head size 16: the attention kernel
+    d = load_drafter("eagle3", target=t, random_init=True, seed=2)
+    f32 = api.serving_drafter_params(d, t, "float32")
+    assert set(f32["packed_kernels"]) == set(eagle3.PACKED)
+    assert {a.dtype for a in api.serving_drafter_params(d, t)["packed_kernels"].values()} == {jnp.dtype(jnp.bfloat16)}
+    cfg, rng = d.config, np.random.default_rng(6)
+    layers, kv_heads, head_dim = cfg.cache_shape
+    cache = init_cache(layers, 2, kv_heads, 32, head_dim).replace(lengths=jnp.array([5, 9], jnp.int32))
+    cache = cache.replace(k=jnp.asarray(rng.normal(size=cache.k.shape), jnp.float32),
+                          v=jnp.asarray(rng.normal(size=cache.v.shape), jnp.float32))
+    hidden = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32)
+    emb = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32)
+    pos = cache.lengths[:, None] + jnp.arange(4)[None]
+    layer = jax.jit(eagle3.layer, static_argnums=1)
+    for parents in (None, jnp.asarray([[-1, 0, 0, 1]] * 2, jnp.int32)):
+        want, wcache = layer(d.params, cfg, hidden, emb, pos, cache, parents)
+        got, gcache = layer(f32, cfg, hidden, emb, pos, cache, parents)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(gcache.k), np.asarray(wcache.k), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.jit(eagle3.logits, static_argnums=1)(f32, cfg, hidden, emb)),
+                               np.asarray(eagle3.logits(d.params, cfg, hidden, emb)), rtol=1e-4, atol=1e-4)
+    prompts = [rng.integers(0, 64, size=n).tolist() for n in (3, 11)]
+    ar = [r.token_ids for r in generate(t, prompts, max_new_tokens=20)]
+    assert [r.token_ids for r in generate(t, prompts, max_new_tokens=20, method="eagle3", drafter=d)] == ar
+
+
+@built
 def test_a_forward_skips_its_inactive_tokens_on_the_kernels():
     """`active`: the tokens no active one sees (here unreachable slots after a 4-node tree) are not
     computed, the others come out as in the full forward; without the kernels all are computed."""

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hsd_jax import cpu_kernels
 from hsd_jax.cache import KVCache, write_layer
 from hsd_jax.config import ConfigError, ModelConfig, RopeScaling, _require, from_json, json_repr
 from hsd_jax.loading.errors import ModelLoadError, reading
@@ -141,10 +142,34 @@ def init_params(cfg: Eagle3Config, key: jax.Array, std: float = 0.05) -> dict:
     return params
 
 
+# The weights `api.serving_drafter_params` packs for `cpu_kernels.stacked_matmul` (as [1, f / 32, d, 32]),
+# by their names in `packed_kernels`
+PACKED = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def kernels_of(params: dict) -> dict:
+    """{name: [in, out] kernel} of the PACKED weights."""
+    mid = params["midlayer"]
+    return {"fc": params["fc"]["kernel"], "lm_head": params["lm_head"]["kernel"],
+            **{k: mid[k]["kernel"] for k in ("q_proj", "k_proj", "v_proj", "o_proj")},
+            **{k: mid["mlp"][k]["kernel"] for k in ("gate_proj", "up_proj", "down_proj")}}
+
+
+def _dense(params: dict, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w, through the CPU kernel from the packed copy when the params are served with one (drafts only:
+    bf16 weights move acceptance, never an output), else XLA's dot; in w's dtype either way."""
+    packed = params.get("packed_kernels", {}).get(name)
+    rows = x.size // x.shape[-1]
+    if packed is None or rows > cpu_kernels.MAX_ROWS:
+        return matmul(x, w)
+    y = cpu_kernels.stacked_matmul(x.reshape(rows, x.shape[-1]), packed, 0)[:, :w.shape[1]]
+    return y.reshape(*x.shape[:-1], w.shape[1]).astype(w.dtype)
+
+
 def fuse(params: dict, aux: jax.Array) -> jax.Array:
     """g = fc([low; mid; high]) from the target's layer outputs aux [3, ..., H_target]."""
     w = params["fc"]["kernel"]
-    return matmul(jnp.concatenate(list(aux), -1).astype(w.dtype), w)
+    return _dense(params, "fc", jnp.concatenate(list(aux), -1).astype(w.dtype), w)
 
 
 def project(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, positions: jax.Array):
@@ -155,7 +180,7 @@ def project(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, 
     x = jnp.concatenate([rms_norm(emb, p["input_layernorm"]["scale"], cfg.rms_norm_eps),
                          rms_norm(hidden, p["hidden_norm"]["scale"], cfg.rms_norm_eps)], -1).astype(dt)
     inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    heads = lambda name, n: matmul(x, p[name]["kernel"]).reshape(b, t, n, cfg.head_dim)
+    heads = lambda name, n: _dense(params, name, x, p[name]["kernel"]).reshape(b, t, n, cfg.head_dim)
     q, k = heads("q_proj", cfg.num_heads), heads("k_proj", cfg.num_kv_heads)
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"]["scale"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"]["scale"], cfg.rms_norm_eps)
@@ -168,11 +193,12 @@ def finish(params: dict, cfg: Eagle3Config, hidden: jax.Array, attn: jax.Array) 
     p = params["midlayer"]
     dt = p["q_proj"]["kernel"].dtype
     b, t, _ = hidden.shape
-    h = hidden.astype(dt) + matmul(attn.transpose(0, 2, 1, 3).reshape(b, t, -1).astype(dt), p["o_proj"]["kernel"])
+    dense = lambda name, x, w: _dense(params, name, x, w["kernel"])
+    h = hidden.astype(dt) + dense("o_proj", attn.transpose(0, 2, 1, 3).reshape(b, t, -1).astype(dt), p["o_proj"])
     m = p["mlp"]
     y = rms_norm(h, p["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
-    return h + matmul(jax.nn.silu(matmul(y, m["gate_proj"]["kernel"])) * matmul(y, m["up_proj"]["kernel"]),
-                      m["down_proj"]["kernel"])
+    return h + dense("down_proj", jax.nn.silu(dense("gate_proj", y, m["gate_proj"])) * dense("up_proj", y, m["up_proj"]),
+                     m["down_proj"])
 
 
 def layer(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, positions: jax.Array,
@@ -180,12 +206,17 @@ def layer(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, po
     """The decoder layer over hidden [B, T, H] (fused features or its own earlier outputs) and token
     embeddings emb [B, T, H]; writes its K/V at slots lengths + i. Returns (h [B, T, H], cache)."""
     from hsd_jax.models.llama import causal_attention
-    from pallas_kernels.tree_attention import tree_attention
+    from pallas_kernels.tree_attention import ancestor_mask, tree_attention
 
     q, k, v = project(params, cfg, hidden, emb, positions)
     ck = write_layer(cache.k, 0, k, cache.lengths)
     cv = write_layer(cache.v, 0, v, cache.lengths)
-    if parents is None:
+    b, t = hidden.shape[:2]
+    if "packed_kernels" in params and b * t <= cpu_kernels.MAX_ROWS and cpu_kernels.attention_supported(ck.dtype, cfg.head_dim):
+        # the CPU kernel reads the committed slots and the row's ancestors only (XLA's scores the whole capacity)
+        anc = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)) if parents is None else ancestor_mask(parents)
+        attn = cpu_kernels.tree_attention(q, ck, cv, 0, cache.lengths, anc, 1.0 / float(np.sqrt(cfg.head_dim)))
+    elif parents is None:
         attn = causal_attention(q, ck[0], cv[0], cache.lengths)
     else:
         attn = tree_attention(q, ck[0], cv[0], cache.lengths, parents, impl="reference")
@@ -200,7 +231,7 @@ def logits(params: dict, cfg: Eagle3Config, h: jax.Array, emb: jax.Array | None 
 
         h = fused_readout(params["inject"], h.astype(jnp.float32), [_unit_rms(emb)], cfg.readout_scale)
     y = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps).astype(jnp.float32)
-    return matmul(y, params["lm_head"]["kernel"].astype(jnp.float32))
+    return _dense(params, "lm_head", y, params["lm_head"]["kernel"].astype(jnp.float32))
 
 
 def embedding(params: dict, target_embedding: jax.Array) -> jax.Array:
