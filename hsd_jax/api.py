@@ -314,7 +314,7 @@ def serving_drafter_params(drafter: Drafter, target: Target, dtype: str | None =
     read through `TargetView.packed_head`) in `dtype` (default DRAFTER_KERNEL_DTYPE), built once
     per drafter, target and dtype, when the target is served with the CPU kernels (f32 or bf16);
     sd's draft LM with its layers packed in its own dtype (a draft LM's forward is the target's);
-    else as loaded."""
+    EAGLE-3's fc, layer and head in `dtype` (`_served_eagle3`); else as loaded."""
     from hsd_jax.models.drafter import DrafterConfig, pack_draft_head
     from hsd_jax.models.eagle3 import Eagle3Config
 
