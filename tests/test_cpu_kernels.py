@@ -82,6 +82,46 @@ def test_the_pairs_layout_without_bf16_dot_products_widens_to_the_same_product(t
 
     _pairs_reference_check(run, np.random.default_rng(6))
 
+def test_the_prefetch_level_follows_the_cpu_vendor_and_keys_the_library(monkeypatch):
+    """prefetcht1 on Intel, prefetchnta elsewhere (stacked_matmul.cc): a build for one vendor is never
+    loaded on another's machine."""
+    from hsd_jax import kernel_build
+
+    paths = {}
+    for vendor, level in (("GenuineIntel", 2), ("AuthenticAMD", 0), ("", 0)):
+        monkeypatch.setattr(kernel_build, "_vendor", lambda v=vendor: v)
+        assert kernel_build.defines() == (f"-DHSD_PREFETCH_LOCALITY={level}",)
+        paths[vendor] = kernel_build.library_path()
+    assert paths["GenuineIntel"] != paths["AuthenticAMD"] == paths[""]
+
+
+@built
+def test_the_other_vendors_prefetch_level_gives_the_same_products(tmp_path):
+    """The matmul built with the prefetch level this machine does not use (f32 and bf16 tiles, 1-16
+    rows, the prefetching paths included) equals this machine's build."""
+    from hsd_jax import kernel_build
+
+    other = 0 if kernel_build.prefetch_locality(kernel_build._vendor()) else 2
+    lib_path = str(tmp_path / "other_level.so")
+    src = os.path.join(kernel_build.HERE, "stacked_matmul.cc")
+    subprocess.run(["g++", *kernel_build.FLAGS, f"-DHSD_PREFETCH_LOCALITY={other}", f"-I{kernel_build.include_dir()}",
+                    "-shared", src, "-o", lib_path], check=True, capture_output=True, timeout=300)
+    import ctypes
+
+    lib = ctypes.cdll.LoadLibrary(lib_path)
+    rng = np.random.default_rng(7)
+    w = rng.normal(0, 0.05, (2, 64, 96)).astype(np.float32)
+    for dtype, symbol in ((jnp.float32, "StackedMatmulPacked"), (jnp.bfloat16, "StackedMatmulPackedBF16")):
+        name = f"hsd_test_level_{np.dtype(dtype).name}"
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        packed = jnp.asarray(cpu_kernels.pack(w, dtype))
+        for n in (1, 2, 5, 8, 16):
+            x = rng.normal(0, 1, (n, 64)).astype(np.float32)
+            got = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((n, 96), jnp.float32))(
+                jnp.asarray(x), packed, jnp.asarray([1], jnp.int32), jnp.ones((n,), jnp.int32))
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(cpu_kernels.stacked_matmul(x, packed, 1)))
+
+
 @built
 @pytest.mark.parametrize("head_dim,hq,hkv", [(16, 4, 2), (64, 9, 3), (96, 4, 2), (128, 2, 1)])
 def test_tree_attention_equals_the_reference(head_dim, hq, hkv):

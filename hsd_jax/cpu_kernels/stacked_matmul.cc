@@ -32,6 +32,13 @@ constexpr int64_t kAhead = HSD_AHEAD;   // software prefetch distance in tile ro
 // f32 tiles' (128 bytes a row: both cache lines prefetched, 8 KB ahead). On a Zen 5 VM the 30 layers' matmuls
 // at 4-16 rows took 0.75-0.96x the time without it (paired runs; one row, and one line a row: no gain).
 constexpr int64_t kF32Ahead = HSD_F32_AHEAD;
+#ifndef HSD_PREFETCH_LOCALITY
+#define HSD_PREFETCH_LOCALITY 0
+#endif
+// The prefetches' cache level (`kernel_build.prefetch_locality`, by CPU vendor): 0 (prefetchnta) on AMD, 2
+// (prefetcht1) on Intel. On an Intel Xeon (2 cores, AVX-512) prefetchnta made 2-8 rows 1.8-2.4x slower than one
+// (the lines it fetches are evicted before their FMAs read them); prefetcht1 puts them at 1.0-1.3x.
+constexpr int kLocality = HSD_PREFETCH_LOCALITY;
 #ifndef HSD_PAIRS_AHEAD
 #define HSD_PAIRS_AHEAD 0
 #endif
@@ -63,10 +70,10 @@ static void Tile(const float* X, const T* W, int64_t ws, float* Y, int64_t d, in
     // 2+ rows: prefetch the tile's rows ahead (past its end: the next tile's, contiguous when packed): bf16
     // at 4-8 rows 1.4-1.8x faster (benchmarks/verify_cost.py --dtype bfloat16), f32 at 8 rows 1.1-1.3x, where
     // the FMAs slow the stream and the hardware prefetcher falls behind. One row: no gain, none.
-    if (sizeof(T) == 2 && R > 1 && kAhead > 0) __builtin_prefetch(W + (k + kAhead) * ws, 0, 0);
+    if (sizeof(T) == 2 && R > 1 && kAhead > 0) __builtin_prefetch(W + (k + kAhead) * ws, 0, kLocality);
     if (sizeof(T) == 4 && R > 1 && kF32Ahead > 0) {
-      __builtin_prefetch(W + (k + kF32Ahead) * ws, 0, 0);
-      __builtin_prefetch(W + (k + kF32Ahead) * ws + 16, 0, 0);
+      __builtin_prefetch(W + (k + kF32Ahead) * ws, 0, kLocality);
+      __builtin_prefetch(W + (k + kF32Ahead) * ws + 16, 0, kLocality);
     }
     v16 w0, w1;
     LoadW(W + k * ws, w0, w1);
@@ -92,7 +99,7 @@ template <int R>
 static void TilePairs(const uint32_t* XP, const uint16_t* W, float* Y, int64_t dp, int64_t f, int64_t r0, int64_t j) {
   v16 acc[R][2] = {};
   for (int64_t p = 0; p < dp; ++p) {
-    if (R > 1 && kPairsAhead > 0) __builtin_prefetch(W + (p + kPairsAhead) * 2 * kCols, 0, 0);
+    if (R > 1 && kPairsAhead > 0) __builtin_prefetch(W + (p + kPairsAhead) * 2 * kCols, 0, kLocality);
     const uint16_t* wp = W + p * 2 * kCols;
 #if defined(__AVX512BF16__)
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + kCols);
