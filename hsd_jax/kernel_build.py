@@ -49,23 +49,27 @@ def include_dir() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(_jaxlib().__file__)), "include")
 
 
-def _cpu_id() -> str:
-    """The CPU's model and instruction-set flags (`-march=native` builds for exactly these)."""
+@functools.cache
+def _cpuinfo() -> tuple[str, ...] | None:
+    """/proc/cpuinfo's lines, read once; None where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
+            return tuple(f)
     except OSError:
+        return None
+
+
+def _cpu_id() -> str:
+    """The CPU's model and instruction-set flags (`-march=native` builds for exactly these)."""
+    lines = _cpuinfo()
+    if lines is None:
         return platform.processor()
+    return "".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))}))
 
 
 def _vendor() -> str:
     """The CPU's vendor string (`vendor_id` in /proc/cpuinfo: GenuineIntel, AuthenticAMD), '' unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
-    except OSError:
-        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in _cpuinfo() or () if ln.startswith("vendor_id")), "")
 
 
 def prefetch_locality(vendor: str) -> int:
@@ -80,11 +84,16 @@ def defines() -> tuple[str, ...]:
     return (f"-DHSD_PREFETCH_LOCALITY={prefetch_locality(_vendor())}",)
 
 
+def _flags() -> tuple[str, ...]:
+    """Every compile flag of this machine's build: `FLAGS` and its `defines()`."""
+    return FLAGS + defines()
+
+
 def library_path() -> str:
     """Where the built library for these sources, jaxlib, compiler flags and CPU lives (a shared home
     folder never hands a machine a binary built for another CPU)."""
     source = b"".join(open(path, "rb").read() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + repr((_jaxlib().__version__, FLAGS + defines(), "-shared", platform.machine(),
+    key = hashlib.sha256(source + repr((_jaxlib().__version__, _flags(), "-shared", platform.machine(),
                                         _cpu_id())).encode()).hexdigest()[:16]
     return os.path.join(cache_dir(), f"hsd_kernels-{key}.so")
 
@@ -112,7 +121,7 @@ def _compile(compiler: str, out: str) -> None:
         with open(unity, "w") as f:
             f.writelines(f'#include "{src}"\n' for src in SOURCES)
         part = os.path.join(tmp, "kernel.so")
-        proc = subprocess.Popen([compiler, *FLAGS, *defines(), f"-I{include_dir()}", "-shared", unity, "-o", part],
+        proc = subprocess.Popen([compiler, *_flags(), f"-I{include_dir()}", "-shared", unity, "-o", part],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         error = _finish(proc)
         if error:

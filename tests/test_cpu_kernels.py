@@ -60,18 +60,22 @@ def test_the_pairs_layout_equals_the_bf16_product():
     _pairs_reference_check(jax.jit(cpu_kernels.stacked_matmul), np.random.default_rng(5))
 
 
+def _matmul_built_with(path, *flags: str):
+    """stacked_matmul.cc alone, built at `path` with the build's flags and `flags` after them, loaded."""
+    import ctypes
+
+    from hsd_jax import kernel_build
+
+    src = os.path.join(kernel_build.HERE, "stacked_matmul.cc")
+    subprocess.run(["g++", *kernel_build.FLAGS, *flags, f"-I{kernel_build.include_dir()}", "-shared", src, "-o",
+                    str(path)], check=True, capture_output=True, timeout=300)
+    return ctypes.cdll.LoadLibrary(str(path))
+
+
 @built
 def test_the_pairs_layout_without_bf16_dot_products_widens_to_the_same_product(tmp_path):
     """The same kernel built without AVX-512 BF16 (the path other CPUs take) gives the same products."""
-    from hsd_jax import kernel_build
-
-    lib_path = str(tmp_path / "widened.so")
-    src = os.path.join(kernel_build.HERE, "stacked_matmul.cc")
-    subprocess.run(["g++", *kernel_build.FLAGS, "-mno-avx512bf16", f"-I{kernel_build.include_dir()}", "-shared", src,
-                    "-o", lib_path], check=True, capture_output=True, timeout=300)
-    import ctypes
-
-    lib = ctypes.cdll.LoadLibrary(lib_path)
+    lib = _matmul_built_with(tmp_path / "widened.so", "-mno-avx512bf16")
     assert lib.HsdBF16DotProducts() == 0
     jax.ffi.register_ffi_target("hsd_test_pairs_widened", jax.ffi.pycapsule(lib.StackedMatmulPairsBF16), platform="cpu")
 
@@ -81,6 +85,7 @@ def test_the_pairs_layout_without_bf16_dot_products_widens_to_the_same_product(t
             jnp.asarray(x), packed, jnp.asarray([layer], jnp.int32), jnp.asarray(active, jnp.int32))
 
     _pairs_reference_check(run, np.random.default_rng(6))
+
 
 def test_the_prefetch_level_follows_the_cpu_vendor_and_keys_the_library(monkeypatch):
     """prefetcht1 on Intel, prefetchnta elsewhere (stacked_matmul.cc): a build for one vendor is never
@@ -102,13 +107,7 @@ def test_the_other_vendors_prefetch_level_gives_the_same_products(tmp_path):
     from hsd_jax import kernel_build
 
     other = 0 if kernel_build.prefetch_locality(kernel_build._vendor()) else 2
-    lib_path = str(tmp_path / "other_level.so")
-    src = os.path.join(kernel_build.HERE, "stacked_matmul.cc")
-    subprocess.run(["g++", *kernel_build.FLAGS, f"-DHSD_PREFETCH_LOCALITY={other}", f"-I{kernel_build.include_dir()}",
-                    "-shared", src, "-o", lib_path], check=True, capture_output=True, timeout=300)
-    import ctypes
-
-    lib = ctypes.cdll.LoadLibrary(lib_path)
+    lib = _matmul_built_with(tmp_path / "other_level.so", f"-DHSD_PREFETCH_LOCALITY={other}")
     rng = np.random.default_rng(7)
     w = rng.normal(0, 0.05, (2, 64, 96)).astype(np.float32)
     for dtype, symbol in ((jnp.float32, "StackedMatmulPacked"), (jnp.bfloat16, "StackedMatmulPackedBF16")):
