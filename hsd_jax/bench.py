@@ -127,7 +127,8 @@ def machine_info() -> dict:
     dev = jax.devices()[0]
     return {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
             "devices": jax.device_count(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "jax": jax.__version__, "cpu_kernel": cpu_kernels.enabled()}   # f32 targets without a mesh use it
+            "jax": jax.__version__, "cpu_kernel": cpu_kernels.enabled(),   # f32 targets without a mesh use it
+            "amx_tiles": cpu_kernels.amx_tiles()}
 
 
 def interleaved_ms(programs: dict[str, Callable], inputs: dict, rounds: int) -> dict[str, dict]:

@@ -74,9 +74,9 @@ def _matmul_built_with(path, *flags: str):
 
 @built
 def test_the_pairs_layout_without_bf16_dot_products_widens_to_the_same_product(tmp_path):
-    """The same kernel built without AVX-512 BF16 (the path other CPUs take) gives the same products."""
-    lib = _matmul_built_with(tmp_path / "widened.so", "-mno-avx512bf16")
-    assert lib.HsdBF16DotProducts() == 0
+    """The same kernel built without AVX-512 BF16 and AMX (the path other CPUs take) gives the same products."""
+    lib = _matmul_built_with(tmp_path / "widened.so", "-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16")
+    assert lib.HsdBF16DotProducts() == 0 and lib.HsdAmxTiles() == 0
     jax.ffi.register_ffi_target("hsd_test_pairs_widened", jax.ffi.pycapsule(lib.StackedMatmulPairsBF16), platform="cpu")
 
     def run(x, packed, layer, active):
@@ -87,27 +87,45 @@ def test_the_pairs_layout_without_bf16_dot_products_widens_to_the_same_product(t
     _pairs_reference_check(run, np.random.default_rng(6))
 
 
+@pytest.mark.skipif(not cpu_kernels.bf16_dot_products(), reason="no kernel, or this CPU has no AVX-512 BF16")
+def test_the_pairs_layout_without_amx_takes_avx512_bf16_to_the_same_product(tmp_path):
+    """Built without AMX (AVX-512 BF16 dot products, the path before Sapphire Rapids), the screen's layout
+    gives the bf16 product too; where the CPU has AMX, this machine's build runs it
+    (`test_the_pairs_layout_equals_the_bf16_product`)."""
+    lib = _matmul_built_with(tmp_path / "no_amx.so", "-mno-amx-tile", "-mno-amx-bf16")
+    assert lib.HsdBF16DotProducts() == 1 and lib.HsdAmxTiles() == 0
+    jax.ffi.register_ffi_target("hsd_test_pairs_avx512", jax.ffi.pycapsule(lib.StackedMatmulPairsBF16), platform="cpu")
+
+    def run(x, packed, layer, active):
+        return jax.ffi.ffi_call("hsd_test_pairs_avx512", jax.ShapeDtypeStruct((x.shape[0], packed.shape[1] * 32),
+                                                                              jnp.float32))(
+            jnp.asarray(x), packed, jnp.asarray([layer], jnp.int32), jnp.asarray(active, jnp.int32))
+
+    _pairs_reference_check(run, np.random.default_rng(8))
+
+
 def test_the_prefetch_level_follows_the_cpu_vendor_and_keys_the_library(monkeypatch):
-    """prefetcht1 on Intel, prefetchnta elsewhere (stacked_matmul.cc): a build for one vendor is never
-    loaded on another's machine."""
+    """prefetcht1 from one row on on Intel, prefetchnta from two rows on elsewhere (stacked_matmul.cc): a
+    build for one vendor is never loaded on another's machine."""
     from hsd_jax import kernel_build
 
     paths = {}
-    for vendor, level in (("GenuineIntel", 2), ("AuthenticAMD", 0), ("", 0)):
+    for vendor, level, rows in (("GenuineIntel", 2, 1), ("AuthenticAMD", 0, 2), ("", 0, 2)):
         monkeypatch.setattr(kernel_build, "_vendor", lambda v=vendor: v)
-        assert kernel_build.defines() == (f"-DHSD_PREFETCH_LOCALITY={level}",)
+        assert kernel_build.defines() == (f"-DHSD_PREFETCH_LOCALITY={level}", f"-DHSD_PREFETCH_MIN_ROWS={rows}")
         paths[vendor] = kernel_build.library_path()
     assert paths["GenuineIntel"] != paths["AuthenticAMD"] == paths[""]
 
 
 @built
 def test_the_other_vendors_prefetch_level_gives_the_same_products(tmp_path):
-    """The matmul built with the prefetch level this machine does not use (f32 and bf16 tiles, 1-16
-    rows, the prefetching paths included) equals this machine's build."""
+    """The matmul built with the prefetch settings this machine does not use (the other vendor's level and
+    fewest rows; f32 and bf16 tiles, 1-16 rows, the prefetching paths included) equals this machine's build."""
     from hsd_jax import kernel_build
 
-    other = 0 if kernel_build.prefetch_locality(kernel_build._vendor()) else 2
-    lib = _matmul_built_with(tmp_path / "other_level.so", f"-DHSD_PREFETCH_LOCALITY={other}")
+    other = "AuthenticAMD" if kernel_build._vendor() == "GenuineIntel" else "GenuineIntel"
+    lib = _matmul_built_with(tmp_path / "other_level.so", f"-DHSD_PREFETCH_LOCALITY={kernel_build.prefetch_locality(other)}",
+                             f"-DHSD_PREFETCH_MIN_ROWS={kernel_build.prefetch_min_rows(other)}")
     rng = np.random.default_rng(7)
     w = rng.normal(0, 0.05, (2, 64, 96)).astype(np.float32)
     for dtype, symbol in ((jnp.float32, "StackedMatmulPacked"), (jnp.bfloat16, "StackedMatmulPackedBF16")):

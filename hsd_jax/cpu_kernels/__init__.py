@@ -23,7 +23,8 @@ precision (`api.BF16_EXACT_OPTIONS`), and every method's greedy output equals bf
 slots a query sees (the committed prefix and its ancestors among the new tokens), where XLA
 copies the layer's cache out of the stack and scores every slot up to the capacity. The matmul
 handler also takes bf16 weights (widened exactly in registers): the greedy head's certified
-screen (`llama.screened_argmax`) streams a packed bf16 copy of the embedding with it.
+screen (`llama.screened_argmax`) streams a packed bf16 copy of the embedding with it, in bf16 pairs
+(AMX tiles where the CPU and Linux allow, else AVX-512 BF16 dot products, else FMAs).
 
 Built on first use with the system C++ compiler against the running jaxlib's FFI headers (so
 the binary always matches the installed jaxlib and this CPU), cached in the user cache folder
@@ -160,6 +161,13 @@ def bf16_dot_products() -> bool:
     """Whether the built kernel has AVX-512 BF16 dot products (the pairs layout's fast path; without
     them it widens the pairs and sums with FMAs: same results up to f32 summation order)."""
     return enabled() and bool(ctypes.cdll.LoadLibrary(kernel_build.library_path()).HsdBF16DotProducts())
+
+
+def amx_tiles() -> bool:
+    """Whether the pairs layout (the f32 head's screen) runs on AMX tile dot products here: built for a
+    CPU with AMX-BF16 and Linux granted this process the tile state (else AVX-512 BF16 or FMAs; the same
+    bf16 products, summed in f32 in another order)."""
+    return enabled() and bool(ctypes.cdll.LoadLibrary(kernel_build.library_path()).HsdAmxTiles())
 
 
 def pack_head(weight, dtype, into: np.ndarray | None = None) -> np.ndarray:

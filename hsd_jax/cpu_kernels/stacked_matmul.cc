@@ -10,8 +10,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AMX_TILE__) && defined(__AMX_BF16__))
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HSD_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "parallel.h"
@@ -39,6 +44,12 @@ constexpr int64_t kF32Ahead = HSD_F32_AHEAD;
 // (prefetcht1) on Intel. On an Intel Xeon (2 cores, AVX-512) prefetchnta made 2-8 rows 1.8-2.4x slower than one
 // (the lines it fetches are evicted before their FMAs read them); prefetcht1 puts them at 1.0-1.3x.
 constexpr int kLocality = HSD_PREFETCH_LOCALITY;
+#ifndef HSD_PREFETCH_MIN_ROWS
+#define HSD_PREFETCH_MIN_ROWS 2
+#endif
+// The fewest rows whose tiles prefetch (`kernel_build.prefetch_min_rows`, by CPU vendor): 1 on Intel, where a
+// decode step's matmuls (one row) took 0.70x (bf16) and 0.93x (f32) the time with it; 2 on AMD (one row: no gain).
+constexpr int kPrefetchMinRows = HSD_PREFETCH_MIN_ROWS;
 #ifndef HSD_PAIRS_AHEAD
 #define HSD_PAIRS_AHEAD 0
 #endif
@@ -67,11 +78,11 @@ template <int R, typename T>
 static void Tile(const float* X, const T* W, int64_t ws, float* Y, int64_t d, int64_t f, int64_t r0, int64_t j) {
   v16 acc[R][2] = {};
   for (int64_t k = 0; k < d; ++k) {
-    // 2+ rows: prefetch the tile's rows ahead (past its end: the next tile's, contiguous when packed): bf16
-    // at 4-8 rows 1.4-1.8x faster (benchmarks/verify_cost.py --dtype bfloat16), f32 at 8 rows 1.1-1.3x, where
-    // the FMAs slow the stream and the hardware prefetcher falls behind. One row: no gain, none.
-    if (sizeof(T) == 2 && R > 1 && kAhead > 0) __builtin_prefetch(W + (k + kAhead) * ws, 0, kLocality);
-    if (sizeof(T) == 4 && R > 1 && kF32Ahead > 0) {
+    // Prefetch the tile's rows ahead (past its end: the next tile's, contiguous when packed): bf16 at 4-8 rows
+    // 1.4-1.8x faster (benchmarks/verify_cost.py --dtype bfloat16), f32 at 8 rows 1.1-1.3x, where the FMAs slow
+    // the stream and the hardware prefetcher falls behind; one row too where kPrefetchMinRows says so.
+    if (sizeof(T) == 2 && R >= kPrefetchMinRows && kAhead > 0) __builtin_prefetch(W + (k + kAhead) * ws, 0, kLocality);
+    if (sizeof(T) == 4 && R >= kPrefetchMinRows && kF32Ahead > 0) {
       __builtin_prefetch(W + (k + kF32Ahead) * ws, 0, kLocality);
       __builtin_prefetch(W + (k + kF32Ahead) * ws + 16, 0, kLocality);
     }
@@ -130,6 +141,55 @@ static void TilePairs(const uint32_t* XP, const uint16_t* W, float* Y, int64_t d
     __builtin_memcpy(Y + (r0 + r) * f + j + 16, &acc[r][1], sizeof(v16));
   }
 }
+
+#ifdef HSD_AMX
+// AMX (Intel Sapphire Rapids and later): the pairs layout's products as tile dot products, 16 pairs (32 of d) by
+// 16 columns by up to 16 rows an instruction. The same bf16 products, exact in f32, summed in f32 in another
+// order (denormals flushed, as AVX-512 BF16 does); the head screen's bound covers any order
+// (`llama.screened_argmax`). At 8 rows the screen's dot products were ~half its time on AVX-512 BF16.
+// Linux grants a process the tile state only when asked (arch_prctl); refused, the AVX-512 path runs.
+static bool AmxGranted() {
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// y[r0 : r0 + rows, columns of tiles t0 .. t1) for rows <= 16, XP's rows (bf16 pairs) dp apart, dp % 16 == 0:
+// tmm0, tmm1 the two 16-column halves' sums, tmm2 the inputs' 16 pairs, tmm3 and tmm4 the weights' (each pair
+// row is 128 bytes: the halves 64 bytes apart).
+static void TilesPairsAmx(const uint32_t* XP, const uint16_t* W, int64_t tile_size, float* Y, int64_t dp, int64_t f,
+                          int64_t r0, int64_t rows, int64_t t0, int64_t t1) {
+  TileConfig cfg;
+  for (int i = 0; i < 5; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = static_cast<uint8_t>(i < 3 ? rows : 16);
+  }
+  _tile_loadconfig(&cfg);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint16_t* tile = W + t * tile_size;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t p = 0; p < dp; p += 16) {
+      _tile_loadd(2, XP + r0 * dp + p, dp * 4);
+      _tile_loadd(3, tile + p * 2 * kCols, 4 * kCols);
+      _tile_loadd(4, tile + p * 2 * kCols + kCols, 4 * kCols);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, Y + r0 * f + t * kCols, f * 4);
+    _tile_stored(1, Y + r0 * f + t * kCols + 16, f * 4);
+  }
+  _tile_release();
+}
+#endif
 
 // f32 -> bf16 bits, rounded to nearest even (exact for an input that is already a bf16 value)
 static inline uint32_t ToBF16(float v) {
@@ -195,7 +255,19 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   // Register tiles of up to 8 rows x 32 columns; each w tile (d x 32) is streamed from memory once.
   // The column tiles are split over XLA's intra-op thread pool (parallel.h).
   const int64_t tiles = f / kCols;
+#ifdef HSD_AMX
+  const bool amx = kL == kPairs && dp % 16 == 0 && n > 0 && AmxGranted();
+#endif
   auto run = [&](int64_t t0, int64_t t1) {
+#ifdef HSD_AMX
+    if constexpr (kL == kPairs) {
+      if (amx) {
+        for (int64_t r0 = 0; r0 < n; r0 += 16)
+          TilesPairsAmx(xp.data(), W, tile_size, Y, dp, f, r0, std::min<int64_t>(16, n - r0), t0, t1);
+        return;
+      }
+    }
+#endif
     for (int64_t t = t0; t < t1; ++t) {
       const T* tile = kPackedTiles ? W + t * tile_size : W + t * kCols;
       for (int64_t r0 = 0; r0 < n; r0 += kRows) {
@@ -243,6 +315,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPairsBF16, (StackedMatmulImpl<kPairs,
 extern "C" int HsdBF16DotProducts() {
 #if defined(__AVX512BF16__)
   return 1;
+#else
+  return 0;
+#endif
+}
+
+// 1 when the pairs layout runs on AMX tiles here (built with AMX, and Linux granted this process the tile state)
+extern "C" int HsdAmxTiles() {
+#ifdef HSD_AMX
+  return AmxGranted() ? 1 : 0;
 #else
   return 0;
 #endif
