@@ -72,19 +72,23 @@ def _matmul_built_with(path, *flags: str):
     return ctypes.cdll.LoadLibrary(str(path))
 
 
+def _pairs_of(lib, name: str):
+    """`run(x, packed, layer, active)` on `lib`'s pairs-layout matmul, registered as FFI target `name`."""
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.StackedMatmulPairsBF16), platform="cpu")
+
+    def run(x, packed, layer, active):
+        return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], packed.shape[1] * 32), jnp.float32))(
+            jnp.asarray(x), packed, jnp.asarray([layer], jnp.int32), jnp.asarray(active, jnp.int32))
+
+    return run
+
+
 @built
 def test_the_pairs_layout_without_bf16_dot_products_widens_to_the_same_product(tmp_path):
     """The same kernel built without AVX-512 BF16 and AMX (the path other CPUs take) gives the same products."""
     lib = _matmul_built_with(tmp_path / "widened.so", "-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16")
     assert lib.HsdBF16DotProducts() == 0 and lib.HsdAmxTiles() == 0
-    jax.ffi.register_ffi_target("hsd_test_pairs_widened", jax.ffi.pycapsule(lib.StackedMatmulPairsBF16), platform="cpu")
-
-    def run(x, packed, layer, active):
-        return jax.ffi.ffi_call("hsd_test_pairs_widened", jax.ShapeDtypeStruct((x.shape[0], packed.shape[1] * 32),
-                                                                               jnp.float32))(
-            jnp.asarray(x), packed, jnp.asarray([layer], jnp.int32), jnp.asarray(active, jnp.int32))
-
-    _pairs_reference_check(run, np.random.default_rng(6))
+    _pairs_reference_check(_pairs_of(lib, "hsd_test_pairs_widened"), np.random.default_rng(6))
 
 
 @pytest.mark.skipif(not cpu_kernels.bf16_dot_products(), reason="no kernel, or this CPU has no AVX-512 BF16")
@@ -94,18 +98,11 @@ def test_the_pairs_layout_without_amx_takes_avx512_bf16_to_the_same_product(tmp_
     (`test_the_pairs_layout_equals_the_bf16_product`)."""
     lib = _matmul_built_with(tmp_path / "no_amx.so", "-mno-amx-tile", "-mno-amx-bf16")
     assert lib.HsdBF16DotProducts() == 1 and lib.HsdAmxTiles() == 0
-    jax.ffi.register_ffi_target("hsd_test_pairs_avx512", jax.ffi.pycapsule(lib.StackedMatmulPairsBF16), platform="cpu")
-
-    def run(x, packed, layer, active):
-        return jax.ffi.ffi_call("hsd_test_pairs_avx512", jax.ShapeDtypeStruct((x.shape[0], packed.shape[1] * 32),
-                                                                              jnp.float32))(
-            jnp.asarray(x), packed, jnp.asarray([layer], jnp.int32), jnp.asarray(active, jnp.int32))
-
-    _pairs_reference_check(run, np.random.default_rng(8))
+    _pairs_reference_check(_pairs_of(lib, "hsd_test_pairs_avx512"), np.random.default_rng(8))
 
 
 def test_the_prefetch_level_follows_the_cpu_vendor_and_keys_the_library(monkeypatch):
-    """prefetcht1 from one row on on Intel, prefetchnta from two rows on elsewhere (stacked_matmul.cc): a
+    """prefetcht1 from one row on Intel, prefetchnta from two rows on elsewhere (stacked_matmul.cc): a
     build for one vendor is never loaded on another's machine."""
     from hsd_jax import kernel_build
 

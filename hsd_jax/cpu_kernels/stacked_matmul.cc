@@ -2,7 +2,7 @@
 // XLA:CPU copies a layer's weights out of the [L, d, f] stack before its GEMM when N > 1 (BENCHMARKS.md,
 // "Why the CPU kernels"); this XLA FFI handler reads them where they are, each weight once for all N rows, from
 // the plain [L, d, f] layout or, streamed in order, from [L, f / 32, d, 32] (f32, or bf16 widened exactly: a bf16
-// model's layers and LM head), or from [L, f / 32, d / 2, 64]: bf16 pairs along d for AVX-512 BF16 dot products
+// model's layers and LM head), or from [L, f / 32, d / 2, 64]: bf16 pairs along d for AMX tiles or AVX-512 BF16 dot products
 // (the f32 LM head's screen, whose inputs are bf16 values). Threads: XLA's intra-op pool.
 // Rows whose `active` flag is 0 are skipped and come out 0 (a verify narrower than its static shape).
 #include <algorithm>
