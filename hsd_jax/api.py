@@ -269,7 +269,9 @@ def _packed_target(target: Target) -> dict:
         packed["head"] = cpu_kernels.on_cpu(cpu_kernels.pack_head(llama.lm_head_weight(target.params, target.config),
                                                                   jnp.bfloat16))
     elif target.config.tie_word_embeddings:
-        packed["head_screen"] = cpu_kernels.on_cpu(cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"]))
+        embedding = target.params["embed_tokens"]["embedding"]
+        packed["head_screen"] = cpu_kernels.on_cpu(cpu_kernels.pack_head_screen(embedding))
+        packed["head_screen_norms"] = cpu_kernels.on_cpu(cpu_kernels.head_screen_norms(embedding))
     if source is not None:
         weights_cache.store_derived(source, variant, packed)
     cpu = jax.devices("cpu")[0]
@@ -286,6 +288,8 @@ def _packed_in_place(target: Target, source: str, variant: str) -> dict | None:
     head = "head" if cfg.dtype == "bfloat16" else "head_screen" if cfg.tie_word_embeddings else None
     if head:
         layout[head] = cpu_kernels.head_layout(cfg.hidden_size, cfg.vocab_size, cfg.dtype)
+    if head == "head_screen":
+        layout["head_screen_norms"] = ((2, cfg.vocab_size), np.dtype(np.float32))
     file = weights_cache.create(source, variant, layout)
     if file is None:
         return None
@@ -295,6 +299,7 @@ def _packed_in_place(target: Target, source: str, variant: str) -> dict | None:
             cpu_kernels.pack_head(llama.lm_head_weight(target.params, cfg), jnp.bfloat16, into=file.arrays[head])
         elif head:
             cpu_kernels.pack_head_screen(target.params["embed_tokens"]["embedding"], into=file.arrays[head])
+            cpu_kernels.head_screen_norms(target.params["embed_tokens"]["embedding"], into=file.arrays["head_screen_norms"])
     except BaseException:
         file.discard()
         raise

@@ -25,11 +25,30 @@ def screen_params(params, form):
         return params
     if not cpu_kernels.enabled():
         pytest.skip("the CPU kernels could not be built here")
-    return dict(params, packed_kernels={"head_screen": jnp.asarray(
-        cpu_kernels.pack_head_screen(params["embed_tokens"]["embedding"]))})
+    e = params["embed_tokens"]["embedding"]
+    return dict(params, packed_kernels={"head_screen": jnp.asarray(cpu_kernels.pack_head_screen(e)),
+                                        "head_screen_norms": jnp.asarray(cpu_kernels.head_screen_norms(e))})
 
 
 FORMS = pytest.mark.parametrize("form", ["xla", "kernel"])
+
+
+def test_the_packed_screen_norms_are_the_per_call_ones(smol):
+    """`serving_params` packs the screen's error norms once (`cpu_kernels.head_screen_norms`); `head_screen`
+    serves those, equal to what it computes per call without them, in any number of rows."""
+    from hsd_jax.api import serving_params
+
+    if not cpu_kernels.enabled():
+        pytest.skip("the CPU kernels could not be built here")
+    params, cfg = serving_params(smol, ready=True), smol.config
+    packed = params["packed_kernels"]
+    per_call = llama.head_screen(dict(params, packed_kernels={"head_screen": packed["head_screen"]}), cfg, 1)
+    for rows in (1, 8):
+        screen = llama.head_screen(params, cfg, rows)
+        traced = str(jax.make_jaxpr(lambda p: llama.head_screen(p, cfg, rows))(params))
+        assert "reduce_sum" not in traced and "convert_element_type" not in traced   # no pass over the embedding
+        np.testing.assert_allclose(np.asarray(screen.norm), np.asarray(per_call.norm), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(screen.err_norm), np.asarray(per_call.err_norm), rtol=1e-5, atol=1e-12)
 
 
 @FORMS

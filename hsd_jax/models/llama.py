@@ -243,8 +243,9 @@ def serving_logits(params: dict, cfg: ModelConfig, features: jax.Array) -> jax.A
 
 
 class HeadScreen(NamedTuple):
-    """A bf16 copy of a tied f32 LM head and the norms that bound its error, built once per
-    `generate` call (one pass over the embedding) for `serving_argmax`."""
+    """A bf16 copy of a tied f32 LM head and the norms that bound its error, for `serving_argmax`:
+    on the CPU kernels both packed once per target (`api.serving_params`), else built once per
+    `generate` call (one pass over the embedding)."""
     weight: jax.Array       # [V, d] bf16(E), or its packed copy [1, V / 32, d, 32] for cpu_kernels
     norm: jax.Array         # [V] ||bf16(E_v)||
     err_norm: jax.Array     # [V] ||E_v - bf16(E_v)||
@@ -272,6 +273,9 @@ def head_screen(params: dict, cfg: ModelConfig, rows: int) -> HeadScreen | None:
     kernel = packed is not None and rows <= SCREEN_KERNEL_MAX_ROWS
     if not (kernel or streams_head_rows(cfg, rows)):
         return None
+    norms = params["packed_kernels"].get("head_screen_norms") if kernel else None
+    if norms is not None:   # packed with the screen (`cpu_kernels.head_screen_norms`)
+        return HeadScreen(packed, norms[0], norms[1])
     e = params["embed_tokens"]["embedding"].astype(jnp.float32)
     eb = e.astype(jnp.bfloat16)
     ebf = eb.astype(jnp.float32)
