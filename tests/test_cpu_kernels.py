@@ -390,3 +390,25 @@ def test_a_tree_row_equals_its_accepted_path_bit_for_bit(dtype):
     chain = run(q[:, :, [0, 2, 3]], jnp.asarray(kc, dtype), jnp.asarray(vc, dtype), 0, lengths,
                 ancestor_mask(jnp.asarray([[-1, 0, 1]], jnp.int32)), scale=dh ** -0.5)
     np.testing.assert_array_equal(np.asarray(tree)[:, :, [0, 2, 3]], np.asarray(chain))
+
+
+@built
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_row_is_the_same_however_the_verify_splits_into_tasks(dtype):
+    """SmolLM2's heads (9 query, 3 kv): a verify of m new tokens is one task per kv head up to 8 rows
+    a group and row chunks beyond (17 tokens: 51 rows a group), yet each row of the first m tree nodes
+    gives, bit for bit, what the 17-token verify gives it: how a task splits its rows never changes a
+    row's arithmetic (prefix lengths 0 and 37 give full and partial last blocks)."""
+    rng = np.random.default_rng(5)
+    b, hq, hkv, dh, s, n = 2, 9, 3, 64, 64, 17
+    k = jnp.asarray(rng.normal(0, 1, (2, b, hkv, s, dh)), dtype)
+    v = jnp.asarray(rng.normal(0, 1, (2, b, hkv, s, dh)), dtype)
+    q = rng.normal(0, 2, (b, hq, n, dh)).astype(np.float32)
+    parents = jnp.asarray(np.stack([rng.integers(-1, np.arange(n)), np.arange(n) - 1]), jnp.int32)
+    lengths = jnp.asarray([37, 0], jnp.int32)
+    run = jax.jit(cpu_kernels.tree_attention, static_argnames="scale")
+    full = np.asarray(run(q, k, v, 1, lengths, ancestor_mask(parents), scale=dh ** -0.5))
+    for m in (1, 2, 3, 5, 9):
+        part = run(q[:, :, :m], k, v, 1, lengths, ancestor_mask(parents[:, :m]), scale=dh ** -0.5)
+        np.testing.assert_array_equal(np.asarray(part), full[:, :, :m])
+

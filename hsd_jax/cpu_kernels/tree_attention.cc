@@ -3,8 +3,9 @@
 // S slots (BENCHMARKS.md, "Why the CPU kernels"); this XLA FFI handler
 // reads only the slots a query can see: the committed prefix [0, lengths[b]) and the new tokens
 // [lengths[b], lengths[b] + N) that are its ancestors (or itself) in the draft tree. A chain (N = 1
-// included) is causal attention. One task per sequence and query head, or, for a few rows, per kv head: its K and V
-// streamed once for the N rows of every query head that shares them (grouped-query attention). A row that is not
+// included) is causal attention. A task is one sequence's kv head, or a chunk of its rows for a wide verify: its
+// K and V streamed once for the N rows of every query head that shares them (grouped-query attention), with
+// software prefetch ahead of the loads. A row that is not
 // its own ancestor is skipped and outputs 0 (a verify narrower than its static shape). The cache is f32, or bf16
 // (a bf16 model's) widened exactly in registers; q, scores, softmax and sums are f32 either way.
 #include <algorithm>
@@ -44,7 +45,7 @@ typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-static inline v16 Splat(float x) { return v16{} + x; }
+static inline v16 Splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }   // a broadcast
 
 #if defined(__clang__) || __GNUC__ >= 12
 #define HSD_SHUFFLE 1      // __builtin_shufflevector: horizontal sums as shuffle trees
@@ -108,62 +109,114 @@ static inline v16 Reduce16(const v16* acc) {
 #endif
 }
 
-// out[reps * n, dh] (dh = 16 VECS) for the query rows q[reps * n, dh] of the `reps` query heads (n tree rows each,
-// row r being tree row r % n) that share one kv head's K, V [s, dh]: scores
-// of slots [0, end) 16 at a time, hidden ones set to -inf, softmax numerators per row, then the weighted sum of V
-// with 4 rows' outputs in registers. Slots past `end` are never read (the last block re-reads slot end - 1).
-// The denominator is summed slot by slot in that same loop: its visible terms come in slot order wherever the
-// row's slots lie (hidden ones add exact zeros), so a row of a tree verify gives, bit for bit, what the decode
-// step of its accepted path gives (a bf16 model rounds any difference up to a bf16 ulp: tokens would differ).
+// Attention of a kv head's query rows over its K, V [s, dh] (dh = 16 VECS): the `count` rows from `first` of its
+// group's `reps` query heads (n tree rows each, row i being tree row i % n; q and out point at the group's first
+// row). Scores of slots [0, end) 16 at a time, hidden ones set to -inf, softmax numerators per row, then the
+// weighted sum of V with up to 4 rows' outputs in registers. Slots past `end` are never read (the last block
+// repeats slot end - 1). The denominator is summed slot by slot in that same loop: its visible terms come in slot
+// order wherever the row's slots lie (hidden ones add exact zeros), so a row of a tree verify gives, bit for bit,
+// what the decode step of its accepted path gives (a bf16 model rounds any difference up to a bf16 ulp: tokens
+// would differ). How a task splits its rows never changes a row's arithmetic.
+// K and V are prefetched a few KB ahead: the hardware prefetcher alone left the FMAs waiting on DRAM (a 1536-slot,
+// 8-row task 98 us from memory, 41 us from L2).
 constexpr int64_t kMaxHeadDim = 128;
+constexpr int64_t kPrefetchBlocks = 4;        // K: 16-slot blocks ahead of the one being scored
+constexpr int64_t kPrefetchSlots = 32;        // V: slots ahead of the one being summed
 
 struct Scratch {                              // per thread, reused across calls: no allocation per head
-  std::vector<float> sc;                      // scores, then softmax numerators [n, stride]
+  std::vector<float> sc;                      // scores, then softmax numerators [count, stride], 64-byte aligned
   std::vector<int64_t> live;                  // rows that are their own ancestor; the others are skipped, output 0
 };
+
+template <typename T>
+static inline void Prefetch(const T* p, int64_t count) {    // `count` elements from p into every cache level
+  const char* b = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < count * static_cast<int64_t>(sizeof(T)); o += 64) __builtin_prefetch(b + o, 0, 3);
+}
+
+// The 16 scores (unscaled) of row qi against the 16 consecutive slots of K at kb
+template <int VECS, typename T>
+static inline v16 Scores16(const float* qi, const T* kb, int vecs) {
+  const int nv = VECS ? VECS : vecs;
+  const int64_t dh = 16 * nv;
+  v16 acc[16] = {};
+  for (int c = 0; c < nv; ++c) {
+    const v16 qc = Load(qi + 16 * c);
+    for (int jj = 0; jj < 16; ++jj) acc[jj] += qc * Load(kb + jj * dh + 16 * c);
+  }
+  return Reduce16(acc);
+}
+
+// out[r] = the softmax-weighted sum of V's slots [0, end) for R rows of numerators e[r] (R in 1..4, one
+// instantiation each: the rows' accumulators stay in registers)
+template <int R, int VECS, typename T>
+static inline void Weighted(const float* const* e, const T* V, int64_t end, int vecs, float* const* out) {
+  constexpr int kVecs = VECS ? VECS : kMaxHeadDim / 16;
+  const int nv = VECS ? VECS : vecs;
+  const int64_t dh = 16 * nv;
+  v16 acc[R][kVecs] = {};
+  float den[R] = {};
+  for (int64_t j = 0; j < end; ++j) {
+    if (j + kPrefetchSlots < end) Prefetch(V + (j + kPrefetchSlots) * dh, dh);
+    v16 v[kVecs];
+    for (int c = 0; c < nv; ++c) v[c] = Load(V + j * dh + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const float x = e[r][j];
+      den[r] += x;
+      const v16 p = Splat(x);
+      for (int c = 0; c < nv; ++c) acc[r][c] += p * v[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < nv; ++c) {
+      const v16 o = acc[r][c] * Splat(den[r] > 0.0f ? 1.0f / den[r] : 0.0f);   // a row that sees nothing: 0
+      __builtin_memcpy(out[r] + 16 * c, &o, sizeof(v16));
+    }
+}
 
 // VECS: the head size in 16-float vectors, unrolled at compile time for the common sizes (64, 128); 0 for any
 // other multiple of 16 up to kMaxHeadDim (`vecs` at run time).
 template <int VECS, typename T>
-static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int64_t n, int64_t reps, int64_t len,
-                 int64_t end, float scale, float* out, Scratch& scratch, int vecs) {
-  constexpr int kVecs = VECS ? VECS : kMaxHeadDim / 16;   // register arrays' size
+static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int64_t n, int64_t first, int64_t count,
+                 int64_t len, int64_t end, float scale, float* out, Scratch& scratch, int vecs) {
   const int nv = VECS ? VECS : vecs;
   const int64_t dh = 16 * nv;
   const int64_t stride = (end + 15) / 16 * 16;
-  std::vector<float>& sc = scratch.sc;
+  std::vector<float>& buf = scratch.sc;
   std::vector<int64_t>& live = scratch.live;
-  sc.resize(reps * n * stride);
+  buf.resize(count * stride + 16);
+  float* sc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
   live.clear();
-  for (int64_t i = 0; i < reps * n; ++i) {
+  for (int64_t i = first; i < first + count; ++i) {
     if (anc[(i % n) * n + i % n]) {
       live.push_back(i);
     } else {
       std::fill_n(out + i * dh, dh, 0.0f);
     }
   }
+  const int64_t full = end / 16 * 16;         // slots in whole blocks; the rest go through `tail`
+  T tail[16 * kMaxHeadDim];
   for (int64_t j0 = 0; j0 < end; j0 += 16) {
-    const T* ks[16];
-    for (int jj = 0; jj < 16; ++jj) ks[jj] = K + std::min(j0 + jj, end - 1) * dh;
+    const T* kb = K + j0 * dh;
+    if (j0 >= full) {
+      for (int jj = 0; jj < 16; ++jj) std::copy_n(K + std::min(j0 + jj, end - 1) * dh, dh, tail + jj * dh);
+      kb = tail;
+    } else if (j0 + (kPrefetchBlocks + 1) * 16 <= full) {
+      Prefetch(kb + kPrefetchBlocks * 16 * dh, 16 * dh);
+    }
     for (const int64_t i : live) {
-      const float* qi = q + i * dh;
-      v16 acc[16] = {};
-      for (int c = 0; c < nv; ++c) {
-        const v16 qc = Load(qi + 16 * c);
-        for (int jj = 0; jj < 16; ++jj) acc[jj] += qc * Load(ks[jj] + 16 * c);
-      }
-      v16 scores = Reduce16(acc) * Splat(scale);
+      v16 scores = Scores16<VECS, T>(q + i * dh, kb, vecs) * Splat(scale);
       if (j0 + 16 > len) {                    // the block holds new tokens (or slots past end): hide the others
         for (int jj = 0; jj < 16; ++jj) {
           const int64_t j = j0 + jj;
           if (j >= end || (j >= len && !anc[(i % n) * n + (j - len)])) scores[jj] = -kInf;
         }
       }
-      __builtin_memcpy(sc.data() + i * stride + j0, &scores, sizeof(v16));
+      __builtin_memcpy(sc + (i - first) * stride + j0, &scores, sizeof(v16));
     }
   }
   for (const int64_t i : live) {              // softmax numerators per row
-    float* row = sc.data() + i * stride;
+    float* row = sc + (i - first) * stride;
     v16 vm = Splat(-kInf);
     for (int64_t j = 0; j < stride; j += 16) {
       const v16 x = Load(row + j);
@@ -181,37 +234,31 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
   }
   const int64_t m = static_cast<int64_t>(live.size());
   for (int64_t i0 = 0; i0 < m; i0 += 4) {
-    const int64_t rows = std::min<int64_t>(4, m - i0);
-    v16 acc[4][kVecs] = {};
-    float den[4] = {};
-    for (int64_t j = 0; j < end; ++j) {
-      v16 v[kVecs];
-      for (int c = 0; c < nv; ++c) v[c] = Load(V + j * dh + 16 * c);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float e = sc[live[i0 + r] * stride + j];
-        den[r] += e;
-        const v16 p = Splat(e);
-        for (int c = 0; c < nv; ++c) acc[r][c] += p * v[c];
-      }
+    const float* e[4];
+    float* o[4];
+    const int rows = static_cast<int>(std::min<int64_t>(4, m - i0));
+    for (int r = 0; r < rows; ++r) {
+      e[r] = sc + (live[i0 + r] - first) * stride;
+      o[r] = out + live[i0 + r] * dh;
     }
-    for (int64_t r = 0; r < rows; ++r)
-      for (int c = 0; c < nv; ++c) {
-        const v16 o = acc[r][c] * Splat(den[r] > 0.0f ? 1.0f / den[r] : 0.0f);   // a row that sees nothing: 0
-        __builtin_memcpy(out + live[i0 + r] * dh + 16 * c, &o, sizeof(v16));
-      }
+    if (rows == 4) Weighted<4, VECS, T>(e, V, end, vecs, o);
+    else if (rows == 3) Weighted<3, VECS, T>(e, V, end, vecs, o);
+    else if (rows == 2) Weighted<2, VECS, T>(e, V, end, vecs, o);
+    else Weighted<1, VECS, T>(e, V, end, vecs, o);
   }
 }
 
 // The Head for `vecs` (head size / 16): unrolled for 64 and 128 only, since every instantiation costs a first
 // process ~0.3 s of the compiler (all eight took 6 s, quiet)
 template <typename T>
-static void AnyHead(const float* q, const T* K, const T* V, const int32_t* anc, int64_t n, int64_t reps, int64_t len,
-                    int64_t end, float scale, float* out, Scratch& scratch, int vecs) {
-  if (vecs == 4) return Head<4, T>(q, K, V, anc, n, reps, len, end, scale, out, scratch, vecs);
-  if (vecs == 8) return Head<8, T>(q, K, V, anc, n, reps, len, end, scale, out, scratch, vecs);
-  Head<0, T>(q, K, V, anc, n, reps, len, end, scale, out, scratch, vecs);
+static void AnyHead(const float* q, const T* K, const T* V, const int32_t* anc, int64_t n, int64_t first,
+                    int64_t count, int64_t len, int64_t end, float scale, float* out, Scratch& scratch, int vecs) {
+  if (vecs == 4) return Head<4, T>(q, K, V, anc, n, first, count, len, end, scale, out, scratch, vecs);
+  if (vecs == 8) return Head<8, T>(q, K, V, anc, n, first, count, len, end, scale, out, scratch, vecs);
+  Head<0, T>(q, K, V, anc, n, first, count, len, end, scale, out, scratch, vecs);
 }
-constexpr int64_t kGroupRows = 8;   // a task's rows when it takes a whole kv group (below)
+constexpr int64_t kGroupRows = 8;    // a kv group with at most this many rows is one task (below)
+constexpr int64_t kChunkRows = 24;   // the most rows of a task when a group is split
 
 // T: the cache's element type (float, or bf16 as uint16 bits widened exactly); q and out are f32
 template <ffi::DataType kKV, typename T>
@@ -234,24 +281,26 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const int32_t* lens = lengths.typed_data();
   const int32_t* anc = ancestors.typed_data();
   float* O = out->typed_data();
-  // A task takes `reps` query heads of one kv head (contiguous in q and out: [reps, N, Dh] rows), streaming its K/V
-  // once for all of them: the whole group while that is at most kGroupRows rows (a decode step: memory-bound, each
-  // K/V read once, not once per query head); one head each for wider verifies (compute-bound: more tasks to share
-  // the threads; each head's K/V reads hit the cache its group-mates warmed).
-  int64_t reps = 1;
-  for (int64_t r = group; r > 1; --r)
-    if (group % r == 0 && r * n <= kGroupRows) {
-      reps = r;
-      break;
-    }
-  const int64_t tasks = b * hq / reps;
-  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), tasks) - 1);
+  // A task is one kv head's rows, or a contiguous chunk of them: its K and V are streamed once for every query
+  // head of the group (grouped-query attention), not once per head. A group of at most kGroupRows rows (a decode
+  // step: memory-bound) is one task; a wider verify (compute-bound) splits into chunks of about kChunkRows rows,
+  // as many as make the tasks a multiple of the threads (SmolLM2's 3 kv heads on 2 threads: 6 or 12 tasks).
+  const int64_t rows = group * n;
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  int64_t chunks = 1;
+  if (rows > kGroupRows) {
+    chunks = (rows + kChunkRows - 1) / kChunkRows;
+    while (chunks < rows && (b * hkv * chunks) % workers != 0) ++chunks;
+  }
+  const int64_t tasks = b * hkv * chunks;
+  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(workers, tasks) - 1);
   ParallelFor(pool, tasks, helpers, [&](int64_t t) {
     thread_local Scratch sc;
-    const int64_t bi = t * reps / hq, kvh = (t * reps % hq) / group;
+    const int64_t c = t % chunks, bh = t / chunks, bi = bh / hkv;
     const int64_t len = std::clamp<int64_t>(lens[bi], 0, s), end = std::min<int64_t>(len + n, s);
-    const int64_t kv = (bi * hkv + kvh) * s * dh, rows = t * reps * n * dh;
-    AnyHead<T>(Q + rows, Kl + kv, Vl + kv, anc + bi * n * n, n, reps, len, end, scale, O + rows, sc, dh / 16);
+    const int64_t kv = bh * s * dh, base = bh * rows * dh;
+    const int64_t first = c * rows / chunks, count = (c + 1) * rows / chunks - first;
+    AnyHead<T>(Q + base, Kl + kv, Vl + kv, anc + bi * n * n, n, first, count, len, end, scale, O + base, sc, dh / 16);
   });
   return ffi::Error::Success();
 }
