@@ -29,6 +29,22 @@ def test_write_past_capacity_is_dropped_not_clamped():
     assert k[0, 0, 0, :, 0].tolist() == [0.0, 0.0, 0.0, 1.0]
 
 
+def test_one_sequence_writes_as_a_slab_what_the_batched_scatter_writes():
+    """Batch 1 writes one dynamic_update_slice, batch 2 a scatter: sequence 0 of a batch-2 write equals the
+    batch-1 write at every length, a write past the capacity included (its rows dropped, earlier slots kept)."""
+    rng = np.random.default_rng(0)
+    for s, n in ((8, 1), (8, 3), (16, 8), (8, 8)):
+        arr = jnp.asarray(rng.standard_normal((2, 2, 3, s, 4)), jnp.float32)
+        new = jnp.asarray(rng.standard_normal((2, n, 3, 4)), jnp.float32)
+        for length in range(s + 2):
+            for layer in (0, 1):
+                one = jax.jit(write_layer)(arr[:, :1], layer, new[:1], jnp.asarray([length], jnp.int32))
+                two = jax.jit(write_layer)(arr, layer, new, jnp.asarray([length, 2], jnp.int32))
+                np.testing.assert_array_equal(np.asarray(one), np.asarray(two)[:, :1])
+    hlo = jax.jit(write_layer).lower(arr[:, :1], 0, new[:1], jnp.asarray([3], jnp.int32)).as_text()
+    assert "dynamic_update_slice" in hlo and "scatter" not in hlo
+
+
 def test_advance_commits_counts():
     c = advance(init_cache(1, 3, 1, 8, 1), jnp.array([0, 2, 5]))
     assert c.lengths.tolist() == [0, 2, 5]
