@@ -412,3 +412,24 @@ def test_a_row_is_the_same_however_the_verify_splits_into_tasks(dtype):
         part = run(q[:, :, :m], k, v, 1, lengths, ancestor_mask(parents[:, :m]), scale=dh ** -0.5)
         np.testing.assert_array_equal(np.asarray(part), full[:, :, :m])
 
+
+
+@built
+def test_a_prefill_runs_the_kernels_up_to_max_prefill_rows(monkeypatch):
+    """A 70-token prompt (past MAX_ROWS) prefills on the matmul and attention kernels, each row seeing
+    only its causal prefix: its last token's logits match XLA's dots; past MAX_PREFILL_ROWS, XLA's."""
+    t = tiny_target(vocab=64, hidden=64, tie_word_embeddings=True)
+    cfg = t.config
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (1, 70)), jnp.int32)
+    lens = jnp.asarray([70], jnp.int32)
+
+    def run(params):
+        fn = jax.jit(lambda p, x, n: llama.prefill_new_cache(p, cfg, x, n, 96)[0])
+        return np.asarray(fn(params, tokens, lens)), fn.lower(params, tokens, lens).compile().as_text()
+
+    want, xla = run(t.params)
+    got, kernels = run(api.serving_params(t, ready=True))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert '"hsd_tree_attention"' in kernels and kernel_calls([kernels]) > 0 and kernel_calls([xla]) == 0
+    monkeypatch.setattr(cpu_kernels, "MAX_PREFILL_ROWS", 64)
+    assert kernel_calls([run(api.serving_params(t, ready=True))[1]]) == 0

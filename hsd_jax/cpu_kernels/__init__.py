@@ -6,8 +6,8 @@ Inside the layer `lax.scan`, XLA:CPU copies each layer's weight matrices out of 
 (BENCHMARKS.md, "Why the CPU kernels"). `stacked_matmul.cc` is an XLA FFI handler that reads a layer's
 weights in place from a pre-packed copy ([L, f / 32, d, 32]: every 32-column tile contiguous,
 streamed in order), each weight once for all rows. The engine uses it for every Dense of the
-target's layers when `enabled()`: on the CPU, no mesh, a forward of at most MAX_ROWS rows (f32;
-bf16: any, below); f32 prefill and training keep XLA's dots.
+target's layers when `enabled()`: on the CPU, no mesh, a forward of at most MAX_ROWS rows, a causal one
+(a prefill) of at most MAX_PREFILL_ROWS (f32; bf16: any, below); training keeps XLA's dots.
 
 A bf16 target (`load_target(..., dtype="bfloat16")`) runs the same kernels on its bf16 weights,
 packed as they are (half the bytes of f32; the attention kernel reads a bf16 cache too): each bf16
@@ -48,6 +48,9 @@ from hsd_jax import kernel_build
 
 COLS = 32           # the kernel's column tile (the packed layout's last axis)
 MAX_ROWS = 64       # forwards up to this many rows (batch x new tokens): measured faster than XLA up to 64
+# causal forwards (prefills) up to this many rows: 0.67-0.85x XLA's time at 69-2000 prompt tokens (Zen 4); the
+# attention kernel's [B, T, T] visibility mask bounds it (16 MB at 2048)
+MAX_PREFILL_ROWS = 2048
 TARGETS = {"hsd_stacked_matmul_packed": "StackedMatmulPacked", "hsd_stacked_matmul_packed_bf16": "StackedMatmulPackedBF16",
            "hsd_stacked_matmul_pairs_bf16": "StackedMatmulPairsBF16",
            "hsd_tree_attention": "TreeAttention", "hsd_tree_attention_bf16": "TreeAttentionBF16"}

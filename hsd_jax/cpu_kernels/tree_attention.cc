@@ -177,8 +177,9 @@ static inline void Weighted(const float* const* e, const T* V, int64_t end, int 
 // VECS: the head size in 16-float vectors, unrolled at compile time for the common sizes (64, 128); 0 for any
 // other multiple of 16 up to kMaxHeadDim (`vecs` at run time).
 template <int VECS, typename T>
-static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int64_t n, int64_t first, int64_t count,
-                 int64_t len, int64_t end, float scale, float* out, Scratch& scratch, int vecs) {
+static void Head(const float* q, const T* K, const T* V, const int32_t* anc, const int32_t* seen, int64_t n,
+                 int64_t first, int64_t count, int64_t len, int64_t end, float scale, float* out, Scratch& scratch,
+                 int vecs) {
   const int nv = VECS ? VECS : vecs;
   const int64_t dh = 16 * nv;
   const int64_t stride = (end + 15) / 16 * 16;
@@ -194,6 +195,9 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
       std::fill_n(out + i * dh, dh, 0.0f);
     }
   }
+  // row i sees no slot from its_end(i) on: later blocks are skipped (numerators 0 there), as is the rest of a
+  // causal prefill's row, where every row would otherwise score every slot of the prompt
+  const auto its_end = [&](int64_t i) { return std::min<int64_t>(end, len + seen[i % n]); };
   const int64_t full = end / 16 * 16;         // slots in whole blocks; the rest go through `tail`
   T tail[16 * kMaxHeadDim];
   for (int64_t j0 = 0; j0 < end; j0 += 16) {
@@ -205,6 +209,10 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
       Prefetch(kb + kPrefetchBlocks * 16 * dh, 16 * dh);
     }
     for (const int64_t i : live) {
+      if (j0 >= its_end(i)) {
+        std::fill_n(sc + (i - first) * stride + j0, 16, 0.0f);
+        continue;
+      }
       v16 scores = Scores16<VECS, T>(q + i * dh, kb, vecs) * Splat(scale);
       if (j0 + 16 > len) {                    // the block holds new tokens (or slots past end): hide the others
         for (int jj = 0; jj < 16; ++jj) {
@@ -217,17 +225,18 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
   }
   for (const int64_t i : live) {              // softmax numerators per row
     float* row = sc + (i - first) * stride;
+    const int64_t seen_stride = (its_end(i) + 15) / 16 * 16;
     v16 vm = Splat(-kInf);
-    for (int64_t j = 0; j < stride; j += 16) {
+    for (int64_t j = 0; j < seen_stride; j += 16) {
       const v16 x = Load(row + j);
       vm = x > vm ? x : vm;
     }
     const float top = Max(vm);
     if (top == -kInf) {                       // a token written past the capacity: sees nothing, outputs 0
-      std::fill(row, row + stride, 0.0f);
+      std::fill(row, row + seen_stride, 0.0f);
       continue;
     }
-    for (int64_t j = 0; j < stride; j += 16) {
+    for (int64_t j = 0; j < seen_stride; j += 16) {
       const v16 e = Exp(Load(row + j) - Splat(top));
       __builtin_memcpy(row + j, &e, sizeof(v16));
     }
@@ -237,25 +246,28 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, int
     const float* e[4];
     float* o[4];
     const int rows = static_cast<int>(std::min<int64_t>(4, m - i0));
+    int64_t upto = 0;                         // the rows' last seen slot + 1: numerators past a row's own are 0
     for (int r = 0; r < rows; ++r) {
       e[r] = sc + (live[i0 + r] - first) * stride;
       o[r] = out + live[i0 + r] * dh;
+      upto = std::max(upto, its_end(live[i0 + r]));
     }
-    if (rows == 4) Weighted<4, VECS, T>(e, V, end, vecs, o);
-    else if (rows == 3) Weighted<3, VECS, T>(e, V, end, vecs, o);
-    else if (rows == 2) Weighted<2, VECS, T>(e, V, end, vecs, o);
-    else Weighted<1, VECS, T>(e, V, end, vecs, o);
+    if (rows == 4) Weighted<4, VECS, T>(e, V, upto, vecs, o);
+    else if (rows == 3) Weighted<3, VECS, T>(e, V, upto, vecs, o);
+    else if (rows == 2) Weighted<2, VECS, T>(e, V, upto, vecs, o);
+    else Weighted<1, VECS, T>(e, V, upto, vecs, o);
   }
 }
 
 // The Head for `vecs` (head size / 16): unrolled for 64 and 128 only, since every instantiation costs a first
 // process ~0.3 s of the compiler (all eight took 6 s, quiet)
 template <typename T>
-static void AnyHead(const float* q, const T* K, const T* V, const int32_t* anc, int64_t n, int64_t first,
-                    int64_t count, int64_t len, int64_t end, float scale, float* out, Scratch& scratch, int vecs) {
-  if (vecs == 4) return Head<4, T>(q, K, V, anc, n, first, count, len, end, scale, out, scratch, vecs);
-  if (vecs == 8) return Head<8, T>(q, K, V, anc, n, first, count, len, end, scale, out, scratch, vecs);
-  Head<0, T>(q, K, V, anc, n, first, count, len, end, scale, out, scratch, vecs);
+static void AnyHead(const float* q, const T* K, const T* V, const int32_t* anc, const int32_t* seen, int64_t n,
+                    int64_t first, int64_t count, int64_t len, int64_t end, float scale, float* out, Scratch& scratch,
+                    int vecs) {
+  if (vecs == 4) return Head<4, T>(q, K, V, anc, seen, n, first, count, len, end, scale, out, scratch, vecs);
+  if (vecs == 8) return Head<8, T>(q, K, V, anc, seen, n, first, count, len, end, scale, out, scratch, vecs);
+  Head<0, T>(q, K, V, anc, seen, n, first, count, len, end, scale, out, scratch, vecs);
 }
 constexpr int64_t kGroupRows = 8;    // a kv group with at most this many rows is one task (below)
 constexpr int64_t kChunkRows = 24;   // the most rows of a task when a group is split
@@ -293,6 +305,13 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     while (chunks < rows && (b * hkv * chunks) % workers != 0) ++chunks;
   }
   const int64_t tasks = b * hkv * chunks;
+  std::vector<int32_t> seen(b * n, 0);        // per tree row: 1 + its last visible new token (0: none)
+  for (int64_t r = 0; r < b * n; ++r)
+    for (int64_t a = n - 1; a >= 0; --a)
+      if (anc[r * n + a]) {
+        seen[r] = static_cast<int32_t>(a + 1);
+        break;
+      }
   const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(workers, tasks) - 1);
   ParallelFor(pool, tasks, helpers, [&](int64_t t) {
     thread_local Scratch sc;
@@ -300,7 +319,8 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     const int64_t len = std::clamp<int64_t>(lens[bi], 0, s), end = std::min<int64_t>(len + n, s);
     const int64_t kv = bh * s * dh, base = bh * rows * dh;
     const int64_t first = c * rows / chunks, count = (c + 1) * rows / chunks - first;
-    AnyHead<T>(Q + base, Kl + kv, Vl + kv, anc + bi * n * n, n, first, count, len, end, scale, O + base, sc, dh / 16);
+    AnyHead<T>(Q + base, Kl + kv, Vl + kv, anc + bi * n * n, seen.data() + bi * n, n, first, count, len, end, scale,
+               O + base, sc, dh / 16);
   });
   return ffi::Error::Success();
 }

@@ -165,7 +165,9 @@ def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: 
     b, t = x.shape[:2]
     # a bf16 model runs every forward on the kernels, prefill included: XLA's bf16 dots round differently
     # in each program (ar's, a method's), so a prompt's cache, and then the tokens, could differ by method
-    packed = params.get("packed_kernels") if b * t <= cpu_kernels.MAX_ROWS or cfg.dtype == "bfloat16" else None
+    # a causal forward (a prefill) runs them up to MAX_PREFILL_ROWS: faster than XLA's dots there too
+    rows = cpu_kernels.MAX_ROWS if parents is not None else cpu_kernels.MAX_PREFILL_ROWS
+    packed = params.get("packed_kernels") if b * t <= rows or cfg.dtype == "bfloat16" else None
     # with packed stacks the CPU kernels read this layer's weights and cache in place (no copies)
     ancestors = None
     if packed and cpu_kernels.attention_supported(cache.k.dtype, cfg.head_dim):
