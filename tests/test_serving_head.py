@@ -120,3 +120,18 @@ def test_greedy_decoding_with_the_screen_is_token_identical():
         res = generate(target, prompts, max_new_tokens=24, method="hsd", drafter=drafter, head_screen=on,
                        tree_nodes=6, tree_depth=3, tree_top_k=2)
         assert [r.token_ids for r in res] == alone
+
+
+def test_the_screen_candidates_are_the_top_k_of_the_scores():
+    """Two stages (the best blocks of 64 tokens by their maxima, then those blocks' tokens) pick the same
+    ids as one top-k over the whole vocabulary, wherever the best scores cluster (all in one block,
+    spread, ties aside); a vocabulary the blocks do not divide takes one top-k."""
+    rng = np.random.default_rng(0)
+    run = jax.jit(llama.screen_candidates, static_argnums=1)
+    for v in (49152, 8192, 4100):
+        s = rng.standard_normal((5, v)).astype(np.float32)
+        s[1, 128:144] += 10.0                       # row 1: the 16 best in one block
+        s[2, ::3000] += 10.0                        # row 2: one in each of many blocks
+        got = np.sort(np.asarray(run(jnp.asarray(s), 16)), -1)
+        want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(s), 16)[1]), -1)
+        np.testing.assert_array_equal(got, want)

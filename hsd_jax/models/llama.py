@@ -285,6 +285,27 @@ def head_screen(params: dict, cfg: ModelConfig, rows: int) -> HeadScreen | None:
                       jnp.sqrt(jnp.sum(jnp.square(e - ebf), -1)))
 
 
+SCREEN_BLOCK = 64   # the candidates' first stage: the best of every 64 tokens
+
+
+def screen_candidates(s: jax.Array, k: int) -> jax.Array:
+    """The ids [n, k] of the k best scores of s [n, V]: the k blocks of SCREEN_BLOCK tokens with the best
+    maxima hold them (a block outside them has k better tokens before its best), so top-k runs over the
+    block maxima, then over those k blocks' tokens (8 rows of 49152: 0.59 -> 0.22 ms on 2 cores). Which
+    candidates come out never changes an output (`screened_argmax` certifies or falls back), only how
+    often a row is certified; ties go to either."""
+    n, v = s.shape
+    # The barriers keep XLA:CPU's top-k kernel: with its outputs sliced further it becomes a full sort
+    # (15x slower). Only on the indices: a barrier on top-k's tuple crashes the SPMD partitioner.
+    if v % SCREEN_BLOCK or v < 4 * k * SCREEN_BLOCK:
+        return jax.lax.optimization_barrier(jax.lax.top_k(s, k)[1])
+    blocks = s.reshape(n, v // SCREEN_BLOCK, SCREEN_BLOCK)
+    best = jax.lax.optimization_barrier(jax.lax.top_k(blocks.max(-1), k)[1])                # [n, k]
+    inside = jnp.take_along_axis(blocks, best[:, :, None], axis=1).reshape(n, k * SCREEN_BLOCK)
+    pick = jax.lax.optimization_barrier(jax.lax.top_k(inside, k)[1])
+    return jnp.take_along_axis(best, pick // SCREEN_BLOCK, axis=1) * SCREEN_BLOCK + pick % SCREEN_BLOCK
+
+
 def screened_argmax(params: dict, cfg: ModelConfig, features: jax.Array, screen: HeadScreen,
                     candidates: int = SCREEN_CANDIDATES) -> tuple[jax.Array, jax.Array]:
     """(token int32 [n], certified bool [n]) over features [n, d] from the bf16 screen.
@@ -302,9 +323,7 @@ def screened_argmax(params: dict, cfg: ModelConfig, features: jax.Array, screen:
         s = jnp.einsum("nd,vd->nv", hb, screen.weight, preferred_element_type=jnp.float32)
     else:
         s = cpu_kernels.stacked_matmul(hbf, screen.weight, 0)[:, :screen.norm.shape[0]]
-    # The barrier keeps XLA:CPU's top-k kernel: with its outputs sliced further it becomes a full
-    # sort (15x slower). Only on the indices: a barrier on top-k's tuple crashes the SPMD partitioner.
-    cand = jax.lax.optimization_barrier(jax.lax.top_k(s, candidates)[1])
+    cand = screen_candidates(s, candidates)
     gamma = d * 2.0 ** -24 / (1 - d * 2.0 ** -24)
     h_norm, hb_norm, h_err = (jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (h, hbf, h - hbf))
     bound = SCREEN_SAFETY * (screen.err_norm * h_norm + screen.norm * (h_err + gamma * hb_norm)) + SCREEN_SLACK
