@@ -433,3 +433,21 @@ def test_a_prefill_runs_the_kernels_up_to_max_prefill_rows(monkeypatch):
     assert '"hsd_tree_attention"' in kernels and kernel_calls([kernels]) > 0 and kernel_calls([xla]) == 0
     monkeypatch.setattr(cpu_kernels, "MAX_PREFILL_ROWS", 64)
     assert kernel_calls([run(api.serving_params(t, ready=True))[1]]) == 0
+
+
+@built
+def test_a_prefill_skips_its_bucket_padding_on_the_kernels():
+    """A 70-token prompt right-padded to its 128-token bucket: the kernels skip the padding's rows (their
+    K/V slots stay zero), and the last token's logits are the unpadded prefill's."""
+    t = tiny_target(vocab=64, hidden=64, tie_word_embeddings=True)
+    cfg, params = t.config, api.serving_params(t, ready=True)
+    ids = np.random.default_rng(4).integers(0, 64, 70)
+    run = jax.jit(lambda p, x, n: llama.prefill_new_cache(p, cfg, x, n, 160))
+    lens = jnp.asarray([70], jnp.int32)
+    exact, out_exact = run(params, jnp.asarray(ids[None], jnp.int32), lens)
+    padded, out = run(params, jnp.asarray(np.pad(ids, (0, 58))[None], jnp.int32), lens)
+    np.testing.assert_allclose(np.asarray(padded), np.asarray(exact), rtol=1e-6, atol=1e-6)
+    k = np.asarray(out.cache.k)
+    assert not k[:, :, :, 70:128].any() and k[:, :, :, :70].any()
+    np.testing.assert_allclose(k[:, :, :, :70], np.asarray(out_exact.cache.k)[:, :, :, :70], rtol=1e-6, atol=1e-6)
+

@@ -361,7 +361,9 @@ def prefill(params: dict, cfg: ModelConfig, tokens: jax.Array, prompt_lens: jax.
     committed to the prompt lengths)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = forward(params, cfg, tokens, positions, cache)
+    # the bucket's padding is inactive: the CPU kernels skip its rows (a 69-token prompt in the 128 bucket
+    # cost 128 rows), its K/V land in scratch slots and its features are never read
+    out = forward(params, cfg, tokens, positions, cache, active=positions < prompt_lens[:, None])
     logits = serving_logits(params, cfg, out.features[jnp.arange(b), prompt_lens - 1])
     return logits, out._replace(cache=out.cache.replace(lengths=prompt_lens.astype(jnp.int32)))
 
