@@ -251,7 +251,8 @@ class SpecConfig:
 # The preset a request gets when it sets none of its fields, by the platform it runs on (`spec_defaults`);
 # explicit options win, then `tuned=True`'s file, then this table, then `SpecConfig`'s own fields.
 # cpu: `hsd tune` on 2 Zen 4 cores with the CPU kernels (BENCHMARKS.md, "hsd tune on this CPU"):
-#   3/2/2 with 4 prompt-lookup nodes 1.31x ar, the 8/4/3 tree 0.95x (verify rows cost there);
+#   3/2/2 with 4 prompt-lookup nodes 1.31x ar, the 8/4/3 tree 0.95x (verify rows cost there); 12-07's
+#   tune chose 3/3/1 + 4 on math prompts, which lost MT-bench (1.15x vs 1.35x): 3/2/2 + 4 kept;
 # gpu: SpecConfig's 8/4/3 (the H200 pack: verify 2.0 ms at 1 row, 2.7 ms at 64); tpu: the same, unmeasured.
 BACKEND_DEFAULTS = {
     "cpu": {"tree_nodes": 3, "tree_depth": 2, "tree_top_k": 2, "lookup_slots": 4},
