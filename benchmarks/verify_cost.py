@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 from unittest import mock
 
@@ -40,7 +39,7 @@ def main() -> None:
 
     from hsd_jax import cpu_kernels, load_target
     from hsd_jax.api import serving_params
-    from hsd_jax.bench import interleaved_ms, machine_info
+    from hsd_jax.bench import interleaved_ms, machine_info, save_result
     from hsd_jax.models import llama
     from hsd_jax.tune import in_place, verify_inputs, verify_program
 
@@ -81,9 +80,7 @@ def main() -> None:
         print(f"{name:16s} " + "  ".join(f"{n}:{m:.1f}ms/{r:.2f}x" for n, m, r in
                                        zip(sizes, out[name]["ms"], out[name]["ratio_to_n1"])))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        save_result(out, args.json)
 
 
 if __name__ == "__main__":

@@ -238,10 +238,11 @@ def run_bench(runners: dict[str, Callable], prompts: list[list[int]], *, batch_s
 
 
 def save_result(result: dict, path: str) -> None:
-    """Write a bench result as JSON; in a multi-process run only process 0 writes."""
+    """Write a bench result as JSON (its folder made as needed); in a multi-process run only process 0 writes."""
     from hsd_jax.distributed import is_primary
 
     if is_primary():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 

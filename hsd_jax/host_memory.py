@@ -4,15 +4,14 @@ XLA:CPU allocates its programs' buffers with malloc; glibc serves any block abov
 threshold (at most 32 MiB by default) with a fresh mmap and unmaps it on free, so every generate
 call faults in its KV cache, the widened prefill cache and the decode loop's temporaries page by
 page again (a 47 MB cache widening 15 ms fresh, 3.4 ms reused; SmolLM2 on a 2-core Zen 4:
-`generate` 0.96x the time for `ar`, 0.93x for hsd). `enable()` (called by `load_target` for a
-CPU run) raises glibc's mmap and trim thresholds to THRESHOLD_BYTES, so such blocks come from the
+`generate` 0.96x the time for `ar`, 0.93x for hsd). `enable()` (called by `load_target` when JAX
+runs on the CPU) raises glibc's mmap and trim thresholds to THRESHOLD_BYTES, so such blocks come from the
 heap and stay there when freed: the process keeps up to that much freed memory for its next call.
 `HSD_RETAIN_HOST_MEMORY=0` leaves malloc as it was; other C libraries than glibc are left alone.
 """
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 
@@ -31,7 +30,7 @@ def enable() -> bool:
     if disabled():
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)       # the C library this process already runs on (no lookup, no subprocess)
         mallopt = libc.mallopt
         libc.gnu_get_libc_version      # glibc only: its mallopt takes these parameter numbers
     except (OSError, AttributeError):
