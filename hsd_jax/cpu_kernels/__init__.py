@@ -48,7 +48,7 @@ from hsd_jax import kernel_build
 
 COLS = 32           # the kernel's column tile (the packed layout's last axis)
 MAX_ROWS = 64       # forwards up to this many rows (batch x new tokens): measured faster than XLA up to 64
-# causal forwards (prefills) up to this many rows: 0.67-0.85x XLA's time at 69-2000 prompt tokens (Zen 4); the
+# causal forwards (prefills) up to this many rows: 0.59-0.78x XLA's time at 69-2000 prompt tokens (Zen 4); the
 # attention kernel's [B, T, T] visibility mask bounds it (16 MB at 2048)
 MAX_PREFILL_ROWS = 2048
 TARGETS = {"hsd_stacked_matmul_packed": "StackedMatmulPacked", "hsd_stacked_matmul_packed_bf16": "StackedMatmulPackedBF16",
