@@ -322,7 +322,7 @@ def serving_drafter_params(drafter: Drafter, target: Target, dtype: str | None =
     per drafter, target and dtype, when the target is served with the CPU kernels (f32 or bf16);
     sd's draft LM with its layers packed in its own dtype (a draft LM's forward is the target's);
     EAGLE-3's fc, layer and head in `dtype` (`_served_eagle3`); else as loaded."""
-    from hsd_jax.models.drafter import DrafterConfig, pack_draft_head
+    from hsd_jax.models.drafter import DrafterConfig, pack_draft_head, pack_readout
     from hsd_jax.models.eagle3 import Eagle3Config
 
     params = drafter.params
@@ -345,6 +345,8 @@ def serving_drafter_params(drafter: Drafter, target: Target, dtype: str | None =
         head = pack_draft_head(target.params, target.config, drafter.d2t, dtype)
         if head is not None:
             packed["draft_head"] = head
+        if drafter.config.uses_fused_readout:
+            packed.update(pack_readout(params["inject"], dtype))
         drafter._packed = (params, target.params, dtype, packed)
     return dict(params, packed_kernels=drafter._packed[-1])
 

@@ -26,17 +26,26 @@ def processed_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return logits
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax` over the last axis (int32; the first of ties, the first NaN where any) as two plain
+    reductions: XLA:CPU runs argmax's (value, index) reduce as scalar code, 224 us for one row of
+    SmolLM2's 49152 logits and 863 us for 8 (2 cores), against 43 and 218 us this way."""
+    top = jnp.max(x, -1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where((x == top) | jnp.isnan(x), iota, x.shape[-1]), -1)
+
+
 def target_probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """The target's sampling distribution [..., V] (one-hot argmax when greedy)."""
     if cfg.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+        return jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
     return jax.nn.softmax(processed_logits(logits, cfg), axis=-1)
 
 
 def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """One token id per row of logits [..., V]."""
     if cfg.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     return jax.random.categorical(key, processed_logits(logits, cfg), axis=-1).astype(jnp.int32)
 
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hsd_jax.sampling import sample_from_probs, target_probs
+from hsd_jax.sampling import argmax, sample_from_probs, target_probs
 from hsd_jax.tree import Tree, greedy_walk
 
 
@@ -95,7 +95,7 @@ def accept(tree: Tree, logits: jax.Array, key: jax.Array, sampling, chain=None) 
     """Greedy (T = 0) or lossless stochastic acceptance of a verified tree; `chain` =
     (tokens [B, G], q [B, G, V]) for a chain sampled from a draft distribution (SD)."""
     if sampling.greedy:
-        return accept_greedy(tree, jnp.argmax(logits, -1).astype(jnp.int32))
+        return accept_greedy(tree, argmax(logits))
     p = target_probs(logits, sampling)
     if chain is not None:
         return accept_chain_stochastic(chain[0], chain[1], p, key)

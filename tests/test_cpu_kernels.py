@@ -3,6 +3,7 @@ matmul equal to XLA's dot, the tree attention equal to `tree_attention_reference
 head equal to its dot, all used by `generate` with the same tokens, and a clean fallback when
 they cannot be built."""
 import os
+import re
 import subprocess
 import sys
 
@@ -197,7 +198,7 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
     # the drafter's layer and draft head run the kernel too: the same tokens, more kernel calls than
     # with the drafter's params as loaded (the target's alone)
     packed = api.serving_drafter_params(d, t)["packed_kernels"]
-    assert {"q_proj", "mlp/down_proj", "draft_head"} <= set(packed)
+    assert {"q_proj", "mlp/down_proj", "draft_head", "readout_w1", "readout_w2"} <= set(packed)
     assert packed["draft_head"].shape == (1, len(d.d2t) // cpu_kernels.COLS, 64, cpu_kernels.COLS)
     # drafts in bf16 by default (half the bytes; acceptance, never the output, may move), f32 on request
     assert {a.dtype for a in packed.values()} == {jnp.dtype(api.DRAFTER_KERNEL_DTYPE)} == {jnp.dtype(jnp.bfloat16)}
@@ -287,6 +288,32 @@ def test_the_draft_head_through_the_kernel_equals_its_dot():
     assert dmod.pack_draft_head(t.params, t.config, d2t[:40]) is None   # not whole column tiles: XLA's dot
 
 
+@built
+def test_the_fused_readout_through_the_kernel_equals_its_dots():
+    """The fused read-out's two matmuls on their packed copies (a served drafter's): in f32 the numbers of
+    XLA's dots at decode sizes (1-3 rows, a path-token context too); 80 rows and unpacked params: the dots."""
+    t = tiny_target(vocab=96, hidden=64, tie_word_embeddings=True)
+    d = load_drafter("hsd", target=t, random_init=True, seed=3)
+    cfg = d.config
+    rng = np.random.default_rng(8)
+    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.1, a.shape), a.dtype), d.params)  # w2 is 0 at init
+    view = dmod.target_view(t.params, t.config, d.d2t)
+    packed = dmod.pack_readout(params["inject"], jnp.float32)
+    assert {k: v.shape for k, v in packed.items()} == {
+        "readout_w1": (1, cfg.mlp_hidden // cpu_kernels.COLS, 128, cpu_kernels.COLS),
+        "readout_w2": (1, 64 // cpu_kernels.COLS, cfg.mlp_hidden, cpu_kernels.COLS)}
+    served = dict(params, packed_kernels=packed)
+    run = jax.jit(dmod.readout, static_argnums=1)
+    g = jnp.asarray(rng.normal(0, 3, (2, 40, 64)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 96, (2, 40)), jnp.int32)
+    for sl in (np.s_[0, :1], np.s_[:, :3], np.s_[:]):     # 1, 6 and 80 rows
+        want = dmod.readout(params, cfg, view, g[sl], tokens[sl])
+        got = run(served, cfg, view, g[sl], tokens[sl])
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    texts = [run.lower(p, cfg, view, g[:, :3], tokens[:, :3]).as_text() for p in (served, params)]
+    assert texts[0].count("hsd_stacked_matmul_packed") == 2 and "hsd_stacked_matmul" not in texts[1]
+
+
 def test_a_failed_build_falls_back_to_xla_with_one_warning(tmp_path):
     code = ("import warnings; warnings.simplefilter('always')\n"
             "from hsd_jax import cpu_kernels, generate\n"
@@ -367,6 +394,10 @@ def test_a_bf16_target_runs_the_kernels_and_every_method_gives_bf16_ar():
     # bf16 layers and head; an f32 cache holding the bf16 K/V exactly (`llama.cache_dtype`)
     assert any('"hsd_stacked_matmul_packed_bf16"' in txt and '"hsd_tree_attention"' in txt for txt in texts)
     assert llama.cache_dtype(params, cfg) == jnp.float32 and llama.cache_dtype(t.params, cfg) == jnp.bfloat16
+    # the embedding's rows gathered as bf16 bits (`layers.take`): no program widens the whole table to f32
+    # (XLA:CPU's bf16 gather did, once per call, hoisted out of the loop)
+    widened = re.compile(r"f32\[(96,64|64,96)\]\S* convert\(")
+    assert not [txt for txt in texts if widened.search(txt)]
 
 
 @built

@@ -11,7 +11,7 @@ from hsd_jax.cache import KVCache, advance, at_offset
 from hsd_jax.config import ConfigError, ModelConfig, from_json
 from hsd_jax.methods.base import Draft, DrafterKind, Method
 from hsd_jax.models import llama
-from hsd_jax.sampling import sample_from_probs, target_probs
+from hsd_jax.sampling import argmax, sample_from_probs, target_probs
 from hsd_jax.tree import chain_tree
 
 
@@ -36,7 +36,7 @@ def sample_chain(dparams, dcfg: ModelConfig, cache: KVCache, root_tokens, key, g
         logits = llama.serving_logits(dparams, dcfg, f)
         key, sub = jax.random.split(key)
         q = target_probs(logits, sampling)
-        last = jnp.argmax(logits, -1).astype(jnp.int32) if sampling.greedy else sample_from_probs(q, sub)
+        last = argmax(logits) if sampling.greedy else sample_from_probs(q, sub)
         toks.append(last), qs.append(q)
     return jnp.stack(toks, 1), jnp.stack(qs, 1), cache
 

@@ -23,7 +23,7 @@ import numpy as np
 from hsd_jax import cpu_kernels
 from hsd_jax.config import ModelConfig, _require
 from hsd_jax.models import llama
-from hsd_jax.models.layers import init_program, matmul, rms_norm
+from hsd_jax.models.layers import init_program, matmul, rms_norm, take
 
 KINDS = ("hsd", "eagle")
 INJECTIONS = ("fused", "additive")
@@ -118,7 +118,7 @@ class TargetView(NamedTuple):
 def target_view(target_params, target_cfg: ModelConfig, d2t, packed_head=None) -> TargetView:
     head = llama.lm_head_weight(target_params, target_cfg)
     d2t = jnp.asarray(d2t, jnp.int32)
-    return TargetView(jnp.take(head, d2t, axis=1), target_params["norm"]["scale"],
+    return TargetView(take(head, d2t, axis=1), target_params["norm"]["scale"],
                       target_params["embed_tokens"]["embedding"], d2t, packed_head)
 
 
@@ -164,11 +164,34 @@ def fused_readout_params(key: jax.Array, n_in: int, hidden: int, d: int) -> dict
     return {"w1": 0.02 * jax.random.normal(key, (n_in, hidden)), "b1": jnp.zeros((hidden,)), "w2": jnp.zeros((hidden, d))}
 
 
-def fused_readout(p: dict, g: jax.Array, tokens: list, scale: float) -> jax.Array:
+READOUT_PACKED = ("w1", "w2")   # the fused read-out's matrices, packed as packed_kernels["readout_w1"], ...
+
+
+def pack_readout(inject: dict, dtype) -> dict:
+    """The fused read-out's w1 and w2 packed for `cpu_kernels.stacked_matmul` in `dtype`
+    ({"readout_w1": [1, hidden / 32, n_in, 32], "readout_w2": ...}), those whose output width is a
+    whole number of the kernel's column tiles: at a round's 1-2 rows XLA's f32 dots on them cost
+    ~0.3 ms a round (BENCHMARKS.md); the packed bf16 copies are half the bytes and stay in the L3."""
+    return {f"readout_{k}": cpu_kernels.on_cpu(cpu_kernels.pack(np.asarray(inject[k], np.float32)[None], dtype))
+            for k in READOUT_PACKED if inject[k].shape[-1] % cpu_kernels.COLS == 0}
+
+
+def _readout_matmul(x: jax.Array, w: jax.Array, packed: jax.Array | None) -> jax.Array:
+    """x [..., n] @ w [n, m]: on the packed copy with the CPU kernel at decode sizes, else XLA's dot."""
+    rows = int(np.prod(x.shape[:-1]))
+    if packed is None or rows > cpu_kernels.MAX_ROWS:
+        return matmul(x, w)
+    return cpu_kernels.stacked_matmul(x.reshape(rows, x.shape[-1]), packed, 0).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def fused_readout(p: dict, g: jax.Array, tokens: list, scale: float, packed: dict | None = None) -> jax.Array:
     """g + scale * MLP([rms g; tokens...]): the read-out's view of the draft token(s) (unit-RMS
-    embeddings), added to the drafter's state before the head."""
-    hid = jax.nn.silu(matmul(jnp.concatenate([_unit_rms(g), *tokens], -1), p["w1"]) + p["b1"])
-    return g + scale * matmul(hid, p["w2"])
+    embeddings), added to the drafter's state before the head. `packed`: `pack_readout`'s copies
+    (a served drafter's `packed_kernels`), used where present."""
+    packed = packed or {}
+    x = jnp.concatenate([_unit_rms(g), *tokens], -1)
+    hid = jax.nn.silu(_readout_matmul(x, p["w1"], packed.get("readout_w1")) + p["b1"])
+    return g + scale * _readout_matmul(hid, p["w2"], packed.get("readout_w2"))
 
 
 @init_program("cfg")
@@ -194,12 +217,12 @@ def readout(params: dict, cfg: DrafterConfig, view: TargetView, g: jax.Array, to
 
     context [..., readout_context - 1]: the path's tokens before `tokens`, most recent first
     (only with `readout_context` > 1). They enter the read-out only: the chain stays token-free."""
-    e = _unit_rms(jnp.take(view.embedding, tokens, axis=0))
+    e = _unit_rms(take(view.embedding, tokens, axis=0))
     gf = g.astype(jnp.float32)
     if cfg.uses_fused_readout:
         more = [] if cfg.readout_context == 1 else [
-            _unit_rms(jnp.take(view.embedding, context[..., i], axis=0)) for i in range(cfg.readout_context - 1)]
-        gf = fused_readout(params["inject"], gf, [e, *more], cfg.feature_rms)
+            _unit_rms(take(view.embedding, context[..., i], axis=0)) for i in range(cfg.readout_context - 1)]
+        gf = fused_readout(params["inject"], gf, [e, *more], cfg.feature_rms, params.get("packed_kernels"))
     elif cfg.kind == "hsd":
         gf = gf + cfg.feature_rms * matmul(e, params["inject"]["w"])
     return draft_logits(view, rms_norm(gf, view.norm_scale, cfg.rms_norm_eps))
@@ -215,7 +238,7 @@ def input_features(params: dict, cfg: DrafterConfig, last: jax.Array, aux: jax.A
 def eagle_inputs(params: dict, cfg: DrafterConfig, view: TargetView, feats: jax.Array,
                  next_tokens: jax.Array) -> jax.Array:
     """EAGLE z_q = FC([f_q; c * rms e(x_{q+1})])."""
-    e = cfg.feature_rms * _unit_rms(jnp.take(view.embedding, next_tokens, axis=0))
+    e = cfg.feature_rms * _unit_rms(take(view.embedding, next_tokens, axis=0))
     return matmul(jnp.concatenate([feats.astype(jnp.float32), e], -1), params["fc"]["kernel"])
 
 

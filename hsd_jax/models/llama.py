@@ -29,7 +29,9 @@ from hsd_jax.models.layers import (
     jnp_dtype,
     rms_norm,
     rope_inv_freq,
+    take,
 )
+from hsd_jax.sampling import argmax
 from pallas_kernels.tree_attention import ancestor_mask, impl_backend, resolve_attention_impl, tree_attention
 
 
@@ -140,7 +142,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, init_std: float = 0.02) -> dic
 
 
 def embed(params: dict, tokens: jax.Array) -> jax.Array:
-    return jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
+    return take(params["embed_tokens"]["embedding"], tokens)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -339,12 +341,12 @@ def serving_argmax(params: dict, cfg: ModelConfig, features: jax.Array, screen: 
     With a screen, `screened_argmax`; if any row is not certified the whole batch takes the f32
     head (`lax.cond`), so the result is the f32 argmax either way."""
     if screen is None:
-        return jnp.argmax(serving_logits(params, cfg, features), -1).astype(jnp.int32)
+        return argmax(serving_logits(params, cfg, features))
     token, certified = screened_argmax(params, cfg, features.reshape(-1, features.shape[-1]), screen)
     return jax.lax.cond(
         jnp.all(certified),
         lambda: token.reshape(features.shape[:-1]),
-        lambda: jnp.argmax(serving_logits(params, cfg, features), -1).astype(jnp.int32))
+        lambda: argmax(serving_logits(params, cfg, features)))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
