@@ -170,8 +170,8 @@ READOUT_PACKED = ("w1", "w2")   # the fused read-out's matrices, packed as packe
 def pack_readout(inject: dict, dtype) -> dict:
     """The fused read-out's w1 and w2 packed for `cpu_kernels.stacked_matmul` in `dtype`
     ({"readout_w1": [1, hidden / 32, n_in, 32], "readout_w2": ...}), those whose output width is a
-    whole number of the kernel's column tiles: at a round's 1-2 rows XLA's f32 dots on them cost
-    ~0.3 ms a round (BENCHMARKS.md); the packed bf16 copies are half the bytes and stay in the L3."""
+    whole number of the kernel's column tiles: at a round's 1-3 rows XLA's f32 dots on them cost
+    0.5 ms of a 13.8 ms hsd round (Zen 5; BENCHMARKS.md, "The drafter's share"); bf16 is half the bytes."""
     return {f"readout_{k}": cpu_kernels.on_cpu(cpu_kernels.pack(np.asarray(inject[k], np.float32)[None], dtype))
             for k in READOUT_PACKED if inject[k].shape[-1] % cpu_kernels.COLS == 0}
 
