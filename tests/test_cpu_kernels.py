@@ -103,14 +103,15 @@ def test_the_pairs_layout_without_amx_takes_avx512_bf16_to_the_same_product(tmp_
 
 
 def test_the_prefetch_level_follows_the_cpu_vendor_and_keys_the_library(monkeypatch):
-    """prefetcht1 from one row on Intel, prefetchnta from two rows on elsewhere (stacked_matmul.cc): a
-    build for one vendor is never loaded on another's machine."""
+    """prefetcht1 from one row on Intel, prefetchnta from two rows elsewhere and one-row bf16 tiles' own
+    prefetch (stacked_matmul.cc): a build for one vendor is never loaded on another's machine."""
     from hsd_jax import kernel_build
 
     paths = {}
-    for vendor, level, rows in (("GenuineIntel", 2, 1), ("AuthenticAMD", 0, 2), ("", 0, 2)):
+    for vendor, level, rows, ahead in (("GenuineIntel", 2, 1, 0), ("AuthenticAMD", 0, 2, 256), ("", 0, 2, 256)):
         monkeypatch.setattr(kernel_build, "_vendor", lambda v=vendor: v)
-        assert kernel_build.defines() == (f"-DHSD_PREFETCH_LOCALITY={level}", f"-DHSD_PREFETCH_MIN_ROWS={rows}")
+        assert kernel_build.defines() == (f"-DHSD_PREFETCH_LOCALITY={level}", f"-DHSD_PREFETCH_MIN_ROWS={rows}",
+                                          f"-DHSD_BF16_ROW1_AHEAD={ahead}")
         paths[vendor] = kernel_build.library_path()
     assert paths["GenuineIntel"] != paths["AuthenticAMD"] == paths[""]
 
@@ -123,7 +124,8 @@ def test_the_other_vendors_prefetch_level_gives_the_same_products(tmp_path):
 
     other = "AuthenticAMD" if kernel_build._vendor() == "GenuineIntel" else "GenuineIntel"
     lib = _matmul_built_with(tmp_path / "other_level.so", f"-DHSD_PREFETCH_LOCALITY={kernel_build.prefetch_locality(other)}",
-                             f"-DHSD_PREFETCH_MIN_ROWS={kernel_build.prefetch_min_rows(other)}")
+                             f"-DHSD_PREFETCH_MIN_ROWS={kernel_build.prefetch_min_rows(other)}",
+                             f"-DHSD_BF16_ROW1_AHEAD={kernel_build.bf16_row1_ahead(other)}")
     rng = np.random.default_rng(7)
     w = rng.normal(0, 0.05, (2, 64, 96)).astype(np.float32)
     for dtype, symbol in ((jnp.float32, "StackedMatmulPacked"), (jnp.bfloat16, "StackedMatmulPackedBF16")):

@@ -50,6 +50,13 @@ constexpr int kLocality = HSD_PREFETCH_LOCALITY;
 // The fewest rows whose tiles prefetch (`kernel_build.prefetch_min_rows`, by CPU vendor): 1 on Intel, where a
 // decode step's matmuls (one row) took 0.70x (bf16) and 0.93x (f32) the time with it; 2 on AMD (one row: no gain).
 constexpr int kPrefetchMinRows = HSD_PREFETCH_MIN_ROWS;
+#ifndef HSD_BF16_ROW1_AHEAD
+#define HSD_BF16_ROW1_AHEAD 0
+#endif
+// One-row bf16 tiles' own prefetch (`kernel_build.bf16_row1_ahead`, by CPU vendor), in tile rows, into every
+// cache level: 256 (16 KB ahead) on AMD, where a bf16 decode step took 0.964-0.965x the time with it (three
+// paired runs, Zen 5; 8 KB ahead, or into L2 only: 0.99x); 0 on Intel, whose one row prefetches as 2+ rows do.
+constexpr int64_t kBF16Row1Ahead = HSD_BF16_ROW1_AHEAD;
 #ifndef HSD_PAIRS_AHEAD
 #define HSD_PAIRS_AHEAD 0
 #endif
@@ -81,7 +88,8 @@ static void Tile(const float* X, const T* W, int64_t ws, float* Y, int64_t d, in
     // Prefetch the tile's rows ahead (past its end: the next tile's, contiguous when packed): bf16 at 4-8 rows
     // 1.4-1.8x faster (benchmarks/verify_cost.py --dtype bfloat16), f32 at 8 rows 1.1-1.3x, where the FMAs slow
     // the stream and the hardware prefetcher falls behind; one row too where kPrefetchMinRows says so.
-    if (sizeof(T) == 2 && R >= kPrefetchMinRows && kAhead > 0) __builtin_prefetch(W + (k + kAhead) * ws, 0, kLocality);
+    if (sizeof(T) == 2 && R == 1 && kBF16Row1Ahead > 0) __builtin_prefetch(W + (k + kBF16Row1Ahead) * ws, 0, 3);
+    else if (sizeof(T) == 2 && R >= kPrefetchMinRows && kAhead > 0) __builtin_prefetch(W + (k + kAhead) * ws, 0, kLocality);
     if (sizeof(T) == 4 && R >= kPrefetchMinRows && kF32Ahead > 0) {
       __builtin_prefetch(W + (k + kF32Ahead) * ws, 0, kLocality);
       __builtin_prefetch(W + (k + kF32Ahead) * ws + 16, 0, kLocality);
