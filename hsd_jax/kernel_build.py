@@ -89,7 +89,7 @@ def prefetch_min_rows(vendor: str) -> int:
 def bf16_row1_ahead(vendor: str) -> int:
     """How far ahead (tile rows) one-row bf16 matmul tiles prefetch into every cache level (stacked_matmul.cc):
     0 on Intel (its one row prefetches as 2+ rows do, `prefetch_min_rows`); 256 elsewhere, where a bf16
-    decode step took 0.964x the time with it (AMD Zen 5)."""
+    decode step took 0.96-0.98x the time with it (AMD Zen 5)."""
     return 0 if vendor == "GenuineIntel" else 256
 
 

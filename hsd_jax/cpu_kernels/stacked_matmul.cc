@@ -54,7 +54,7 @@ constexpr int kPrefetchMinRows = HSD_PREFETCH_MIN_ROWS;
 #define HSD_BF16_ROW1_AHEAD 0
 #endif
 // One-row bf16 tiles' own prefetch (`kernel_build.bf16_row1_ahead`, by CPU vendor), in tile rows, into every
-// cache level: 256 (16 KB ahead) on AMD, where a bf16 decode step took 0.964-0.965x the time with it (three
+// cache level: 256 (16 KB ahead) on AMD, where a bf16 decode step took 0.964-0.984x the time with it (four
 // paired runs, Zen 5; 8 KB ahead, or into L2 only: 0.99x); 0 on Intel, whose one row prefetches as 2+ rows do.
 constexpr int64_t kBF16Row1Ahead = HSD_BF16_ROW1_AHEAD;
 #ifndef HSD_PAIRS_AHEAD
