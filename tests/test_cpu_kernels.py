@@ -390,7 +390,8 @@ def test_a_bf16_target_runs_the_kernels_and_every_method_gives_bf16_ar():
     api._COMPILED.clear()
     ar = [r.token_ids for r in generate(t, prompts, max_new_tokens=16)]
     for spec in (dict(method="hsd", drafter=d, tree_nodes=4, tree_depth=3, tree_top_k=2),
-                 dict(method="lookup", drafter=load_drafter("lookup", target=t), gamma=4)):
+                 dict(method="lookup", drafter=load_drafter("lookup", target=t), gamma=4),
+                 dict(method="eagle3", drafter=load_drafter("eagle3", target=t, random_init=True, seed=2))):
         assert [r.token_ids for r in generate(t, prompts, max_new_tokens=16, **spec)] == ar
     texts = [exe.as_text() for exe in api._COMPILED.values()]
     # bf16 layers and head; an f32 cache holding the bf16 K/V exactly (`llama.cache_dtype`)

@@ -6,7 +6,6 @@ checkpoints (config.json + model.safetensors) as they are, or drafters saved by 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hsd_jax.config import ConfigError, from_json
@@ -14,15 +13,16 @@ from hsd_jax.methods.base import DrafterKind, Method
 from hsd_jax.methods.eagle import Ops, round_functions
 from hsd_jax.methods.features import check_draft_vocab
 from hsd_jax.models import eagle3 as model
+from hsd_jax.models.layers import take
 
 
 def ops(dp, dc, view) -> Ops:
     table = model.embedding(dp, view.embedding)
 
     def step(hidden, tokens, pos, cache, parents):
-        return model.layer(dp, dc, hidden, jnp.take(table, tokens, axis=0), pos, cache, parents)
+        return model.layer(dp, dc, hidden, take(table, tokens), pos, cache, parents)
 
-    return Ops(step, lambda h, tokens: model.logits(dp, dc, h, jnp.take(table, tokens, axis=0)),
+    return Ops(step, lambda h, tokens: model.logits(dp, dc, h, take(table, tokens)),
                lambda out: model.fuse(dp, out.aux_features),
                dc.cache_shape)
 

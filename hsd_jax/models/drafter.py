@@ -135,15 +135,23 @@ def pack_draft_head(target_params, target_cfg: ModelConfig, d2t, dtype=jnp.float
     return cpu_kernels.on_cpu(cpu_kernels.pack(head.astype(np.float32)[None], dtype))
 
 
+def packed_matmul(x: jax.Array, w: jax.Array, packed: jax.Array | None) -> jax.Array:
+    """`matmul(x, w)` for x [..., n], w [n, m], through `cpu_kernels.stacked_matmul` from w's packed copy
+    ([1, ceil(m / 32), n, 32]; its padding columns dropped) where one is given, at decode sizes (up to
+    MAX_ROWS rows); in w's dtype either way. For the drafters' matrices served on the kernels
+    (EAGLE-3's too)."""
+    rows = x.size // x.shape[-1]
+    if packed is None or rows > cpu_kernels.MAX_ROWS:
+        return matmul(x, w)
+    y = cpu_kernels.stacked_matmul(x.reshape(rows, x.shape[-1]), packed, 0)[:, :w.shape[-1]]
+    return y.reshape(*x.shape[:-1], w.shape[-1]).astype(w.dtype)
+
+
 def draft_logits(view: TargetView, h: jax.Array) -> jax.Array:
     """f32 logits over the draft vocabulary from normed features h [..., d]: through the packed
     head with the CPU kernel at decode sizes (XLA:CPU repacks the 19 MB head on every 2+-row
     GEMM), else XLA's dot."""
-    rows = int(np.prod(h.shape[:-1]))
-    if view.packed_head is not None and rows <= cpu_kernels.MAX_ROWS:
-        out = cpu_kernels.stacked_matmul(h.reshape(rows, h.shape[-1]), view.packed_head, 0)
-        return out.reshape(*h.shape[:-1], out.shape[-1])
-    return matmul(h, view.head.astype(jnp.float32))
+    return packed_matmul(h, view.head.astype(jnp.float32), view.packed_head)
 
 
 def target_to_draft(d2t, vocab_size: int) -> np.ndarray:
@@ -176,22 +184,14 @@ def pack_readout(inject: dict, dtype) -> dict:
             for k in READOUT_PACKED if inject[k].shape[-1] % cpu_kernels.COLS == 0}
 
 
-def _readout_matmul(x: jax.Array, w: jax.Array, packed: jax.Array | None) -> jax.Array:
-    """x [..., n] @ w [n, m]: on the packed copy with the CPU kernel at decode sizes, else XLA's dot."""
-    rows = int(np.prod(x.shape[:-1]))
-    if packed is None or rows > cpu_kernels.MAX_ROWS:
-        return matmul(x, w)
-    return cpu_kernels.stacked_matmul(x.reshape(rows, x.shape[-1]), packed, 0).reshape(*x.shape[:-1], w.shape[-1])
-
-
 def fused_readout(p: dict, g: jax.Array, tokens: list, scale: float, packed: dict | None = None) -> jax.Array:
     """g + scale * MLP([rms g; tokens...]): the read-out's view of the draft token(s) (unit-RMS
     embeddings), added to the drafter's state before the head. `packed`: `pack_readout`'s copies
     (a served drafter's `packed_kernels`), used where present."""
     packed = packed or {}
     x = jnp.concatenate([_unit_rms(g), *tokens], -1)
-    hid = jax.nn.silu(_readout_matmul(x, p["w1"], packed.get("readout_w1")) + p["b1"])
-    return g + scale * _readout_matmul(hid, p["w2"], packed.get("readout_w2"))
+    hid = jax.nn.silu(packed_matmul(x, p["w1"], packed.get("readout_w1")) + p["b1"])
+    return g + scale * packed_matmul(hid, p["w2"], packed.get("readout_w2"))
 
 
 @init_program("cfg")

@@ -31,7 +31,8 @@ from hsd_jax import cpu_kernels
 from hsd_jax.cache import KVCache, write_layer
 from hsd_jax.config import ConfigError, ModelConfig, RopeScaling, _require, from_json, json_repr
 from hsd_jax.loading.errors import ModelLoadError, reading
-from hsd_jax.models.layers import apply_rope, init_program, matmul, rms_norm, rope_inv_freq
+from hsd_jax.models.drafter import packed_matmul
+from hsd_jax.models.layers import apply_rope, init_program, rms_norm, rope_inv_freq
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLMEagle3")
 # config.json switches of EAGLE-3 variants whose layer differs from the one implemented here
@@ -158,12 +159,7 @@ def kernels_of(params: dict) -> dict:
 def _dense(params: dict, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w, through the CPU kernel from the packed copy when the params are served with one (drafts only:
     bf16 weights move acceptance, never an output), else XLA's dot; in w's dtype either way."""
-    packed = params.get("packed_kernels", {}).get(name)
-    rows = x.size // x.shape[-1]
-    if packed is None or rows > cpu_kernels.MAX_ROWS:
-        return matmul(x, w)
-    y = cpu_kernels.stacked_matmul(x.reshape(rows, x.shape[-1]), packed, 0)[:, :w.shape[1]]
-    return y.reshape(*x.shape[:-1], w.shape[1]).astype(w.dtype)
+    return packed_matmul(x, w, params.get("packed_kernels", {}).get(name))
 
 
 def fuse(params: dict, aux: jax.Array) -> jax.Array:
