@@ -102,6 +102,50 @@ def test_the_pairs_layout_without_amx_takes_avx512_bf16_to_the_same_product(tmp_
     _pairs_reference_check(_pairs_of(lib, "hsd_test_pairs_avx512"), np.random.default_rng(8))
 
 
+def _packed_dot_check(run_dot, run_widen, run_pairs):
+    """The packed bf16 layout with `dot_products` (a bf16 prefill's): from DOT_MIN_ROWS active rows the
+    pairs layout's products bit for bit (the same AVX-512 BF16 dot products, pairs made in registers;
+    `run_pairs` None: a build without them, the widening kernel's), below them the widening kernel's;
+    odd d, several layers, inactive rows 0 and not counted."""
+    rng = np.random.default_rng(12)
+    for d in (64, 77):
+        w = rng.normal(0, 0.05, (2, d, 96)).astype(np.float32)
+        packed, pairs = jnp.asarray(cpu_kernels.pack(w, jnp.bfloat16)), jnp.asarray(cpu_kernels.pack_pairs(w))
+        wb = np.asarray(jnp.asarray(w).astype(jnp.bfloat16), np.float64)
+        for n, n_active in ((8, 8), (30, 23), (30, 24), (40, 40)):
+            x = np.asarray(jnp.asarray(rng.normal(0, 1, (n, d)), jnp.bfloat16), np.float32)   # bf16 values
+            active = np.zeros(n, bool)
+            active[rng.permutation(n)[:n_active]] = True
+            got = np.asarray(run_dot(x, packed, 1, active))
+            np.testing.assert_allclose(got, np.where(active[:, None], x @ wb[1], 0), rtol=1e-5, atol=1e-5)
+            same = run_pairs(x, pairs, 1, active) if run_pairs and n_active >= cpu_kernels.DOT_MIN_ROWS \
+                else run_widen(x, packed, 1, active)
+            np.testing.assert_array_equal(got, np.asarray(same))
+
+
+@pytest.mark.skipif(not cpu_kernels.bf16_dot_products(), reason="no kernel, or this CPU has no AVX-512 BF16")
+def test_the_packed_bf16_layout_takes_dot_products_from_enough_rows():
+    dot = jax.jit(lambda x, w, layer, active: cpu_kernels.stacked_matmul(x, w, layer, active, dot_products=True))
+    plain = jax.jit(cpu_kernels.stacked_matmul)
+    _packed_dot_check(dot, plain, plain)
+
+
+@built
+def test_the_packed_bf16_dot_products_without_avx512_bf16_widen(tmp_path):
+    """Built without AVX-512 BF16 (other CPUs), the prefill's target is the widening kernel, bit for bit."""
+    lib = _matmul_built_with(tmp_path / "no_bf16.so", "-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16")
+    assert lib.HsdBF16DotProducts() == 0
+
+    def target(symbol, name):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        return lambda x, w, layer, active: jax.ffi.ffi_call(
+            name, jax.ShapeDtypeStruct((x.shape[0], w.shape[1] * 32), jnp.float32))(
+            jnp.asarray(x), w, jnp.asarray([layer], jnp.int32), jnp.asarray(active, jnp.int32))
+
+    _packed_dot_check(target("StackedMatmulPackedDotBF16", "hsd_test_dot_widened"),
+                      target("StackedMatmulPackedBF16", "hsd_test_bf16_widened"), None)
+
+
 def test_the_prefetch_level_follows_the_cpu_vendor_and_keys_the_library(monkeypatch):
     """prefetcht1 from one row on Intel, prefetchnta from two rows elsewhere and one-row bf16 tiles' own
     prefetch (stacked_matmul.cc): a build for one vendor is never loaded on another's machine."""
@@ -195,7 +239,8 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
     assert texts["0"][0] == texts["1"][0]
     for target in cpu_kernels.TARGETS:       # quoted: one target's name is a prefix of another's
         assert all(f'"{target}"' not in txt for txt in texts["0"][1])
-        if target not in ("hsd_tree_attention_bf16", "hsd_stacked_matmul_packed_bf16"):   # bf16 targets': below
+        if target not in ("hsd_tree_attention_bf16", "hsd_stacked_matmul_packed_bf16",    # bf16 targets': below
+                          "hsd_stacked_matmul_packed_dot_bf16"):
             assert all(f'"{target}"' in txt for txt in texts["1"][1])     # decode and verify both run it
     # the drafter's layer and draft head run the kernel too: the same tokens, more kernel calls than
     # with the drafter's params as loaded (the target's alone)
@@ -396,6 +441,11 @@ def test_a_bf16_target_runs_the_kernels_and_every_method_gives_bf16_ar():
     texts = [exe.as_text() for exe in api._COMPILED.values()]
     # bf16 layers and head; an f32 cache holding the bf16 K/V exactly (`llama.cache_dtype`)
     assert any('"hsd_stacked_matmul_packed_bf16"' in txt and '"hsd_tree_attention"' in txt for txt in texts)
+    # the prefills' layers ask for dot products (taken from DOT_MIN_ROWS rows: the 70-token prompt's), no
+    # decode loop does: its steps and verifies keep one arithmetic for a row at any row count
+    dot = '"hsd_stacked_matmul_packed_dot_bf16"'
+    loops = [exe.as_text() for key, exe in api._COMPILED.items() if key[0] in (engine.ar_decode, engine.spec_decode)]
+    assert loops and not any(dot in txt for txt in loops) and sum(dot in txt for txt in texts) >= 4
     assert llama.cache_dtype(params, cfg) == jnp.float32 and llama.cache_dtype(t.params, cfg) == jnp.bfloat16
     # the embedding's rows gathered as bf16 bits (`layers.take`): no program widens the whole table to f32
     # (XLA:CPU's bf16 gather did, once per call, hoisted out of the loop)

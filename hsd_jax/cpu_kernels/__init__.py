@@ -14,8 +14,9 @@ packed as they are (half the bytes of f32; the attention kernel reads a bf16 cac
 value is widened to f32 exactly in registers, activations (bf16 values) go in as f32 exactly, products and
 sums are f32, and each Dense's output is rounded to bf16 as XLA's bf16 dot rounds it. So the
 outputs are the bf16 model's (XLA's bf16 path up to f32 summation order), not the f32 model's. A
-row is computed alike at any row count, so every forward of a bf16 model runs here, prefill too
-(any rows), its norms' sums of squares too (`rms_norm`), its programs compile without excess
+decode or verify row is computed alike at any row count, so every forward of a bf16 model runs here,
+prefill too (any rows; its Dense layers from DOT_MIN_ROWS rows on AVX-512 BF16 dot products, the
+bf16 products exact, summed in pairs: 0.80-0.88x the prefill's time at 128-2048 prompt tokens), its norms' sums of squares too (`rms_norm`), its programs compile without excess
 precision (`api.BF16_EXACT_OPTIONS`), and every method's greedy output equals bf16 `ar`'s. Its LM head runs the kernel too (`packed_kernels["head"]`,
 `llama.serving_logits`); its KV cache is f32 (`llama.cache_dtype`: exact for bf16 K/V).
 
@@ -51,8 +52,12 @@ MAX_ROWS = 64       # forwards up to this many rows (batch x new tokens): measur
 # causal forwards (prefills) up to this many rows: 0.59-0.78x XLA's time at 69-2000 prompt tokens (Zen 4); the
 # attention kernel's [B, T, T] visibility mask bounds it (16 MB at 2048)
 MAX_PREFILL_ROWS = 2048
+# a bf16 prefill's Dense layers take AVX-512 BF16 dot products from this many (active) rows: stacked_matmul.cc's
+# kDotMinRows, which decides (fewer rows: the widening kernel)
+DOT_MIN_ROWS = 24
 TARGETS = {"hsd_stacked_matmul_packed": "StackedMatmulPacked", "hsd_stacked_matmul_packed_bf16": "StackedMatmulPackedBF16",
            "hsd_stacked_matmul_pairs_bf16": "StackedMatmulPairsBF16",
+           "hsd_stacked_matmul_packed_dot_bf16": "StackedMatmulPackedDotBF16",
            "hsd_tree_attention": "TreeAttention", "hsd_tree_attention_bf16": "TreeAttentionBF16"}
 DTYPES = (jnp.float32, jnp.bfloat16)   # the weight and cache dtypes the kernels read
 
@@ -241,7 +246,7 @@ def pack_layers(layers: dict, dtype=None, into: dict | None = None) -> dict:
     return {name: on_cpu(pack(w, dtype or w.dtype)) for name, w in _packable(layers).items()}
 
 
-def stacked_matmul(x, packed, layer, active=None):
+def stacked_matmul(x, packed, layer, active=None, dot_products: bool = False):
     """x [N, d] @ the layer's [d, f] weights from their packed stack [L, f / 32, d, 32] (f32 or
     bf16 weights; f32 products and sums either way) or [L, f / 32, ceil(d / 2), 64] (`pack_pairs`:
     x rounded to bf16). `active` [N] bool: only those rows are computed, the others come out 0
@@ -251,6 +256,8 @@ def stacked_matmul(x, packed, layer, active=None):
         target = "hsd_stacked_matmul_pairs_bf16"
     else:
         target = "hsd_stacked_matmul_packed_bf16" if packed.dtype == jnp.bfloat16 else "hsd_stacked_matmul_packed"
+        if dot_products and packed.dtype == jnp.bfloat16:
+            target = "hsd_stacked_matmul_packed_dot_bf16"
     active = jnp.ones((x.shape[0],), jnp.int32) if active is None else jnp.asarray(active).astype(jnp.int32)
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], f), jnp.float32))(
         x.astype(jnp.float32), packed, jnp.asarray(layer, jnp.int32).reshape(1), active)
@@ -269,10 +276,11 @@ def rms_norm(x, scale, eps: float):
     return y.reshape(x.shape).astype(x.dtype)
 
 
-def dense_interceptor(packed: dict, layer, active=None):
+def dense_interceptor(packed: dict, layer, active=None, dot_products: bool = False):
     """A Flax method interceptor: each Dense whose path (inside the decoder layer) has a packed
     kernel runs `stacked_matmul` on layer `layer` instead of its own (sliced) kernel, on the
-    `active` rows ([B, T] bool; default all) only; a bf16 RMSNorm runs `rms_norm`."""
+    `active` rows ([B, T] bool; default all) only, bf16 weights with `dot_products` where given (a
+    prefill's); a bf16 RMSNorm runs `rms_norm`."""
     from hsd_jax.models.layers import RMSNorm
 
     def intercept(next_fun, args, kwargs, context):
@@ -284,7 +292,8 @@ def dense_interceptor(packed: dict, layer, active=None):
             return next_fun(*args, **kwargs)
         x = args[0]
         rows = None if active is None else active.reshape(-1)
-        y = stacked_matmul(x.reshape(-1, x.shape[-1]), packed[key], layer, rows).reshape(*x.shape[:-1], -1)
+        dots = dot_products and x.dtype == jnp.bfloat16     # bf16 values in: the pairs hold them exactly
+        y = stacked_matmul(x.reshape(-1, x.shape[-1]), packed[key], layer, rows, dots).reshape(*x.shape[:-1], -1)
         y = y.astype(module.dtype or x.dtype)      # rounded as the Dense's own dot rounds (bf16 models)
         if module.use_bias:
             y = y + module.variables["params"]["bias"]

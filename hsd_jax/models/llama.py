@@ -146,7 +146,8 @@ def embed(params: dict, tokens: jax.Array) -> jax.Array:
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: KVCache, parents: jax.Array | None = None, active: jax.Array | None = None) -> ForwardOutput:
+            cache: KVCache, parents: jax.Array | None = None, active: jax.Array | None = None,
+            prompt: bool = False) -> ForwardOutput:
     """Run the decoder over new tokens [B, T] at positions [B, T].
 
     parents None: causal over the cache prefix and the new tokens (prefill, decode).
@@ -154,13 +155,17 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     active [B, T] bool: the tokens whose outputs are needed (no active token may see an inactive
     one); the CPU kernels skip the others' matmuls and attention (their features and K/V are then
     meaningless), other paths compute them all.
+    prompt: a prefill's forward. A bf16 model's Dense layers on the CPU kernels then sum their products
+    with AVX-512 BF16 dot products where the CPU has them (`cpu_kernels.stacked_matmul`): another
+    summation order than a decode step's or a verify's rows, which never take it, and the same for
+    every method (all share the prefill).
     """
-    return forward_embeddings(params, cfg, embed(params, tokens), positions, cache, parents, active)
+    return forward_embeddings(params, cfg, embed(params, tokens), positions, cache, parents, active, prompt)
 
 
 def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
                        cache: KVCache, parents: jax.Array | None = None,
-                       active: jax.Array | None = None) -> ForwardOutput:
+                       active: jax.Array | None = None, prompt: bool = False) -> ForwardOutput:
     """`forward` from input vectors x [B, T, d] instead of token ids (drafters feed features)."""
     layer = DecoderLayer(cfg)
     feature_layers = jnp.asarray(cfg.feature_layers, jnp.int32)
@@ -181,7 +186,7 @@ def forward_embeddings(params: dict, cfg: ModelConfig, x: jax.Array, positions: 
     def body(carry, inputs):
         x, ck, cv = carry
         p, idx = inputs
-        kernel = (nn.intercept_methods(cpu_kernels.dense_interceptor(packed, idx, active)) if packed
+        kernel = (nn.intercept_methods(cpu_kernels.dense_interceptor(packed, idx, active, prompt)) if packed
                   else contextlib.nullcontext())
         with kernel:
             x, ck, cv = layer.apply({"params": p}, x, positions, ck, cv, idx, cache.lengths, parents, ancestors)
@@ -365,7 +370,7 @@ def prefill(params: dict, cfg: ModelConfig, tokens: jax.Array, prompt_lens: jax.
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     # the bucket's padding is inactive: the CPU kernels skip its rows (a 69-token prompt in the 128 bucket
     # cost 128 rows), its K/V land in scratch slots and its features are never read
-    out = forward(params, cfg, tokens, positions, cache, active=positions < prompt_lens[:, None])
+    out = forward(params, cfg, tokens, positions, cache, active=positions < prompt_lens[:, None], prompt=True)
     logits = serving_logits(params, cfg, out.features[jnp.arange(b), prompt_lens - 1])
     return logits, out._replace(cache=out.cache.replace(lengths=prompt_lens.astype(jnp.int32)))
 
