@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hsd_jax import compilation, cpu_kernels, distributed, host_memory, sharding
+from hsd_jax import compilation, cpu_kernels, distributed, host_memory, kernel_build, sharding
 from hsd_jax.config import ConfigError, InputError, ModelConfig, SamplingConfig, from_json
 from hsd_jax.loading.errors import ModelLoadError, read_npy
 from hsd_jax.models import llama
@@ -79,6 +79,8 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
 
     if int(max_cache_len) <= 0:
         raise ConfigError(f"max_cache_len must be positive, got {max_cache_len}")
+    if kernel_build.cpu_likely():    # before anything starts JAX's backend and its threads (`host_memory`)
+        host_memory.enable()
     compilation.enable()
     if mesh is None:   # a first process compiles the kernels while the weights load (a mesh run uses none)
         cpu_kernels.prebuild()

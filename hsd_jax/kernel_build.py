@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import fcntl
 import functools
+import glob
 import hashlib
 import os
 import pkgutil
@@ -193,10 +194,18 @@ def multi_process() -> bool:
     return bool(os.environ.get("HSD_COORDINATOR")) or os.environ.get("HSD_DISTRIBUTED", "").lower() == "auto"
 
 
+def tpu_present() -> bool:
+    """Whether this machine shows a TPU to libtpu: its chips' device files (/dev/accel*, or VFIO groups
+    on newer TPU VMs)."""
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
 def cpu_likely() -> bool:
-    """Whether JAX will run on the CPU, judged without importing it: JAX_PLATFORMS names the CPU
-    first, or (unset) no accelerator plugin is installed."""
+    """Whether JAX will run on the CPU, judged without importing it or starting its backend:
+    JAX_PLATFORMS names the CPU first, or (unset) no accelerator plugin is installed but libtpu on a
+    machine without a TPU (installed for `hsd compile`, JAX then falls back to the CPU)."""
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
-    return not any(m.name.startswith(ACCELERATOR_PLUGINS) for m in pkgutil.iter_modules())
+    plugins = [m.name for m in pkgutil.iter_modules() if m.name.startswith(ACCELERATOR_PLUGINS)]
+    return all(name.startswith("libtpu") for name in plugins) and not (plugins and tpu_present())

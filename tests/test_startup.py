@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import numpy as np
@@ -551,6 +552,14 @@ def test_the_early_build_is_skipped_where_jax_may_run_on_an_accelerator(monkeypa
     assert not kernel_build.cpu_likely()
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert kernel_build.cpu_likely()
+    # unset: by the installed plugins; libtpu alone (for `hsd compile`) counts only where a TPU shows
+    monkeypatch.delenv("JAX_PLATFORMS")
+    for plugins, tpu, cpu in (((), False, True), (("libtpu",), False, True), (("libtpu",), True, False),
+                              (("jax_cuda12_plugin",), False, False), (("libtpu", "jax_plugins"), False, False)):
+        monkeypatch.setattr(kernel_build.pkgutil, "iter_modules",
+                            lambda p=plugins: [types.SimpleNamespace(name=n) for n in ("numpy", *p)])
+        monkeypatch.setattr(kernel_build, "tpu_present", lambda t=tpu: t)
+        assert kernel_build.cpu_likely() is cpu, (plugins, tpu)
 
 
 def test_the_cli_starts_no_early_build_for_a_multi_process_run(monkeypatch):
