@@ -16,9 +16,11 @@ sums are f32, and each Dense's output is rounded to bf16 as XLA's bf16 dot round
 outputs are the bf16 model's (XLA's bf16 path up to f32 summation order), not the f32 model's. A
 decode or verify row is computed alike at any row count, so every forward of a bf16 model runs here,
 prefill too (any rows; its Dense layers from DOT_MIN_ROWS rows on AVX-512 BF16 dot products, the
-bf16 products exact, summed in pairs: 0.80-0.88x the prefill's time at 128-2048 prompt tokens), its norms' sums of squares too (`rms_norm`), its programs compile without excess
-precision (`api.BF16_EXACT_OPTIONS`), and every method's greedy output equals bf16 `ar`'s. Its LM head runs the kernel too (`packed_kernels["head"]`,
-`llama.serving_logits`); its KV cache is f32 (`llama.cache_dtype`: exact for bf16 K/V).
+bf16 products exact, summed in pairs: 0.80-0.88x the prefill's time at 128-2048 prompt tokens), its
+norms' sums of squares too (`rms_norm`), its programs compile without excess precision
+(`api.BF16_EXACT_OPTIONS`), and every method's greedy output equals bf16 `ar`'s. Its LM head runs the
+kernel too (`packed_kernels["head"]`, `llama.serving_logits`); its KV cache is f32
+(`llama.cache_dtype`: exact for bf16 K/V).
 
 `tree_attention.cc` likewise reads a layer's K/V from the stacked cache in place, and only the
 slots a query sees (the committed prefix and its ancestors among the new tokens), where XLA
