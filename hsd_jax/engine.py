@@ -96,10 +96,17 @@ def pad_to_capacity(prompt_tokens, capacity: int):
 
 def _prefill_root(params, cfg: ModelConfig, prompt_tokens, prompt_lens, key, sampling: SamplingConfig,
                   capacity: int):
-    """The prompts through the target from an empty cache of `capacity` slots, and the first token."""
+    """The prompts through the target from an empty cache of `capacity` slots, and the first token:
+    at T = 0 through `llama.serving_argmax` (the certified bf16 screen where the CPU kernels pack
+    one, the same token as the logits' argmax; XLA's f32 head over one row per prompt copied the
+    whole embedding, ~3 ms a call), so the logits are left unused (XLA drops them)."""
     logits, out = llama.prefill_new_cache(params, cfg, prompt_tokens, prompt_lens, capacity)
     key, sub = jax.random.split(key)
-    return out, sample(logits, sub, sampling), key
+    if not sampling.greedy:
+        return out, sample(logits, sub, sampling), key
+    b = prompt_tokens.shape[0]
+    last = out.features[jnp.arange(b), prompt_lens - 1]
+    return out, llama.serving_argmax(params, cfg, last, llama.head_screen(params, cfg, b)), key
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "capacity"))

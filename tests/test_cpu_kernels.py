@@ -232,6 +232,9 @@ def test_generate_uses_the_kernel_with_the_same_tokens(monkeypatch):
         assert hsd == ar
         texts[flag] = (ar, [exe.as_text() for key, exe in api._COMPILED.items()   # the decode loops
                             if key[0] in (engine.ar_decode, engine.spec_decode)])
+        # at T = 0 a prefill's first token comes from the certified screen too (XLA's f32 head copied the embedding)
+        prefills = [exe.as_text() for key, exe in api._COMPILED.items() if key[0] in (engine.ar_prefill, engine.spec_prefill)]
+        assert prefills and all(('"hsd_stacked_matmul_pairs_bf16"' in txt) == (flag == "1") for txt in prefills)
         # lookup nodes only after a 2-token match: the other rounds' lookup slots skipped on the kernels
         hybrid = generate(t, prompts, max_new_tokens=24, lookup_slots=2, lookup_min_match=2, **spec)
         assert [r.token_ids for r in hybrid] == ar
