@@ -449,6 +449,9 @@ def test_a_bf16_target_runs_the_kernels_and_every_method_gives_bf16_ar():
     dot = '"hsd_stacked_matmul_packed_dot_bf16"'
     loops = [exe.as_text() for key, exe in api._COMPILED.items() if key[0] in (engine.ar_decode, engine.spec_decode)]
     assert loops and not any(dot in txt for txt in loops) and sum(dot in txt for txt in texts) >= 4
+    # the norms' column of ones is a literal, not a splat XLA broadcasts again at every layer call
+    splat = re.compile(r"f32\[1,1,64,32\]\S* broadcast\(")
+    assert not [txt for txt in loops if splat.search(txt)]
     assert llama.cache_dtype(params, cfg) == jnp.float32 and llama.cache_dtype(t.params, cfg) == jnp.bfloat16
     # the embedding's rows gathered as bf16 bits (`layers.take`): no program widens the whole table to f32
     # (XLA:CPU's bf16 gather did, once per call, hoisted out of the loop)

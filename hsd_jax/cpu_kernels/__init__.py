@@ -272,7 +272,8 @@ def rms_norm(x, scale, eps: float):
     differed from the decode step, SmolLM2 layer 27). For bf16 models on the kernels."""
     d = x.shape[-1]
     xf = x.astype(jnp.float32).reshape(-1, d)
-    ones = np.ones((1, 1, d, COLS), np.float32)
+    ones = np.zeros((1, 1, d, COLS), np.float32)
+    ones[..., 0] = 1.0   # one column: not a splat, so XLA keeps a literal (a splat it broadcast every layer call)
     ss = stacked_matmul(xf * xf, ones, 0)[:, :1]
     y = xf * jax.lax.rsqrt(ss / d + eps) * scale.astype(jnp.float32)
     return y.reshape(x.shape).astype(x.dtype)
