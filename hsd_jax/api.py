@@ -79,6 +79,8 @@ def load_target(model: str = "smollm2-135m", *, dtype: str | None = None, max_ca
 
     if int(max_cache_len) <= 0:
         raise ConfigError(f"max_cache_len must be positive, got {max_cache_len}")
+    if kernel_build.libtpu_without_tpu():   # JAX's choice too, without libtpu's logged failure
+        compilation.use_cpu_backend()
     if kernel_build.cpu_likely():    # before anything starts JAX's backend and its threads (`host_memory`)
         host_memory.enable()
     compilation.enable()

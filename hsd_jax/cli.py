@@ -517,10 +517,11 @@ def _add_compile(sub):
 
 
 def cmd_compile(a) -> int:
+    from hsd_jax import compilation
     from hsd_jax import compile as hc
     from hsd_jax.sharding import parse_mesh
 
-    hc.use_cpu_backend()
+    compilation.use_cpu_backend()
     names = [] if a.methods.strip() == "none" else [m.strip() for m in a.methods.split(",") if m.strip()]
     kinds = list(hc.TRAIN_KINDS) if a.train == "all" else [k.strip() for k in a.train.split(",") if k.strip()]
     if not names and not kinds:

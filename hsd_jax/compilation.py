@@ -41,3 +41,17 @@ def enable() -> str | None:
             and jax.config.jax_persistent_cache_min_compile_time_secs == _JAX_DEFAULT_MIN_SECONDS):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     return path
+
+
+def use_cpu_backend() -> None:
+    """Run this process on the CPU backend when none has started yet and JAX_PLATFORMS is unset: for
+    `hsd compile` (its programs are built for another platform, none runs here) and on a machine
+    with libtpu installed but no TPU (`kernel_build.libtpu_without_tpu`), where JAX would start
+    libtpu, log its failure to find a TPU as an error, and fall back to the CPU anyway. Asks
+    `jax._src.xla_bridge.backends_are_initialized` (private, present in the jax releases
+    pyproject.toml allows); without it nothing changes."""
+    from jax._src import xla_bridge
+
+    started = getattr(xla_bridge, "backends_are_initialized", lambda: True)
+    if "JAX_PLATFORMS" not in os.environ and not started():
+        jax.config.update("jax_platforms", "cpu")

@@ -77,18 +77,6 @@ class Result:
     kernels_expected: bool = True
 
 
-def use_cpu_backend() -> None:
-    """Run this process on the CPU backend when none has started yet: the programs are built for
-    another platform and none runs here, and JAX would otherwise try (and noisily fail) to start
-    libtpu as a TPU backend. Asks `jax._src.xla_bridge.backends_are_initialized` (private, present
-    in the jax releases pyproject.toml allows); without it nothing changes."""
-    from jax._src import xla_bridge
-
-    started = getattr(xla_bridge, "backends_are_initialized", lambda: True)
-    if "JAX_PLATFORMS" not in os.environ and not started():
-        jax.config.update("jax_platforms", "cpu")
-
-
 def tpu_devices(topology: str) -> list:
     """The deviceless TPU chips of `topology` (e.g. "v5e:2x2", "v4:2x2x1", "v3:2x2")."""
     # libtpu looks for a TPU VM's metadata server unless told not to, and refuses to start while

@@ -207,5 +207,18 @@ def cpu_likely() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
-    plugins = [m.name for m in pkgutil.iter_modules() if m.name.startswith(ACCELERATOR_PLUGINS)]
-    return all(name.startswith("libtpu") for name in plugins) and not (plugins and tpu_present())
+    plugins = _accelerator_plugins()
+    return not plugins or libtpu_without_tpu()
+
+
+def _accelerator_plugins() -> list[str]:
+    return [m.name for m in pkgutil.iter_modules() if m.name.startswith(ACCELERATOR_PLUGINS)]
+
+
+def libtpu_without_tpu() -> bool:
+    """JAX_PLATFORMS unset, libtpu the only accelerator plugin installed (`hsd compile`'s, or the
+    test extra's) and no TPU device on this machine: JAX would try libtpu first, then the CPU."""
+    if os.environ.get("JAX_PLATFORMS", "").strip():
+        return False
+    plugins = _accelerator_plugins()
+    return bool(plugins) and all(name.startswith("libtpu") for name in plugins) and not tpu_present()

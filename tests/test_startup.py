@@ -2,6 +2,7 @@
 `max_new_tokens`, the persistent compilation cache shared by processes, the dequantized-weights
 cache (rebuilt when corrupt) and `warmup`."""
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -560,6 +561,28 @@ def test_the_early_build_is_skipped_where_jax_may_run_on_an_accelerator(monkeypa
                             lambda p=plugins: [types.SimpleNamespace(name=n) for n in ("numpy", *p)])
         monkeypatch.setattr(kernel_build, "tpu_present", lambda t=tpu: t)
         assert kernel_build.cpu_likely() is cpu, (plugins, tpu)
+        assert kernel_build.libtpu_without_tpu() is (plugins == ("libtpu",) and not tpu), (plugins, tpu)
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")   # the user's choice stands
+    assert not kernel_build.libtpu_without_tpu()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None or kernel_build.tpu_present(),
+                    reason="needs libtpu installed on a machine without a TPU")
+def test_load_target_skips_libtpu_where_no_tpu_shows(tmp_path):
+    """With libtpu installed and no TPU, JAX would start libtpu, log its failure as an error and fall
+    back to the CPU: `load_target` asks for the CPU first (JAX_PLATFORMS unset)."""
+    code = textwrap.dedent("""
+        import jax
+        from hsd_jax import load_target
+        load_target(tokenizer=False, max_cache_len=64)
+        print(jax.default_backend(), jax.config.jax_platforms)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env.update(HSD_JAX_CACHE=str(tmp_path), HSD_CPU_KERNELS="0")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-2:] == ["cpu", "cpu"]
+    assert "TPU_WORKER_HOSTNAMES" not in r.stderr and "libtpu" not in r.stderr, r.stderr[-2000:]
 
 
 def test_the_cli_starts_no_early_build_for_a_multi_process_run(monkeypatch):
