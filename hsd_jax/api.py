@@ -738,7 +738,8 @@ class Programs:
         prefill(*weights, tokens [B, T], lengths [B], key, **prefill_static) -> engine.Prefilled
             one program per padded prompt length T (`prompt_buckets`);
         decode(*weights, prefilled, max_new_tokens (int32 scalar), **decode_static) -> output
-            one program per (model, method, spec, sampling, batch, capacity).
+            one program per (model, method, spec, sampling, batch, capacity); it donates
+            `prefilled` (its cache is written in place) and returns those buffers as `output.state`.
 
     weights: (target params,) for ar, (target params, drafter params, d2t) otherwise."""
 
@@ -813,7 +814,7 @@ def _run(progs: Programs, tokens, lengths, key, max_new_tokens: int, mesh, targe
         dargs = (*args[:n], pre, bound)
         decode, compile_d = compiled(progs.decode, dargs, progs.decode_static, progs.options)
         t0 = time.perf_counter()
-        out = sharding.fetch(decode(*dargs))
+        out = sharding.fetch(decode(*dargs)._replace(state=None))
         decode_s = time.perf_counter() - t0
     return out, {"compile": ahead + compile_p + compile_d, "prefill": prefill_s, "decode": decode_s}
 

@@ -30,6 +30,7 @@ from hsd_jax.verify import Accepted, accept, accept_greedy, emitted_tokens
 class DecodeOutput(NamedTuple):
     tokens: jax.Array          # [B, capacity] new token ids, -1 from num_tokens on
     num_tokens: jax.Array      # [B] tokens generated (EOS included)
+    state: Any = None   # the loop's final cache and key: the donated `Prefilled`'s buffers, used in place
 
 
 def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -127,13 +128,15 @@ class ArLoop(NamedTuple):
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "rows"))
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "rows"), donate_argnames=("pre",))
 def ar_decode(params, pre: Prefilled, max_new_tokens, *, cfg: ModelConfig, sampling: SamplingConfig,
               rows: int = 1) -> DecodeOutput:
     """Plain autoregressive decoding with a KV cache (the baseline every method must match) from
     `ar_prefill`'s output, up to `max_new_tokens` (traced: one program for every bound); tokens
     come back [B, capacity], -1 from num_tokens on. `rows` > 1 (`exact`): each step's forward and
-    head run at that many rows, the verify width of the method compared (`decode_forward`)."""
+    head run at that many rows, the verify width of the method compared (`decode_forward`). `pre` is
+    donated: the loop writes its cache in place and returns it in `state` (a read-only input cache
+    was copied whole into the loop, ~5 ms a call at capacity 2048 and more when its pages were fresh)."""
     b, capacity = pre.cache.batch_size, pre.cache.capacity
     max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
     first = pre.root
@@ -153,7 +156,7 @@ def ar_decode(params, pre: Prefilled, max_new_tokens, *, cfg: ModelConfig, sampl
         return ArLoop(cache, new, tokens, count, done, key)
 
     s = jax.lax.while_loop(lambda s: jnp.any(~s.done), body, ArLoop(pre.cache, first, tokens, count, done, pre.key))
-    return DecodeOutput(s.tokens, s.count)
+    return DecodeOutput(s.tokens, s.count, (s.cache, s.key))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,6 +296,7 @@ class SpecOutput(NamedTuple):
     tokens: jax.Array
     num_tokens: jax.Array
     stats: SpecStats
+    state: Any = None   # the loop's final cache, method state and key (as `DecodeOutput.state`)
 
 
 class SpecLoop(NamedTuple):
@@ -350,7 +354,7 @@ def spec_prefill(tparams, dparams, d2t, prompt_tokens, prompt_lens, key, *, tcfg
                      prompt_lens.astype(jnp.int32), key)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "sampling", "rows"))
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "sampling", "rows"), donate_argnames=("pre",))
 def spec_decode(tparams, dparams, d2t, pre: Prefilled, max_new_tokens, *, tcfg: ModelConfig, dcfg,
                 spec: SpecConfig, sampling: SamplingConfig, rows: int = 0) -> SpecOutput:
     """Speculative decoding with `spec.method` from `spec_prefill`'s output, all rounds in one
@@ -358,7 +362,8 @@ def spec_decode(tparams, dparams, d2t, pre: Prefilled, max_new_tokens, *, tcfg: 
     path is committed, and the method updates its state. `max_new_tokens` is traced (one program
     for every bound and prompt length); tokens come back [B, capacity], -1 from num_tokens on.
     `rows` > 0 (`exact`): every verify forward at that many rows, the tree padded with unreachable,
-    inactive slots (`tree.pad_tree`), as `ar_decode(rows=...)` pads its steps."""
+    inactive slots (`tree.pad_tree`), as `ar_decode(rows=...)` pads its steps. `pre` is donated, as
+    `ar_decode`'s: its cache and the method's state come back in `state`."""
     method = methods.REGISTRY[spec.method]
     if rows and rows < spec.verify_slots:
         raise ConfigError(f"rows {rows} is narrower than the {spec.verify_slots}-slot verify tree")
@@ -422,4 +427,4 @@ def spec_decode(tparams, dparams, d2t, pre: Prefilled, max_new_tokens, *, tcfg: 
                            SpecLoop(pre.cache, pre.dstate, root, tokens, count, done, pre.key, stats))
     count = jnp.minimum(s.count, max_new_tokens)
     kept = jnp.arange(capacity)[None, :] < count[:, None]
-    return SpecOutput(jnp.where(kept, s.tokens[:, :capacity], -1), count, s.stats)
+    return SpecOutput(jnp.where(kept, s.tokens[:, :capacity], -1), count, s.stats, (s.tcache, s.dstate, s.key))

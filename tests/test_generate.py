@@ -141,3 +141,25 @@ def test_initialisers_run_as_one_program_with_the_eager_bits():
         assert jax.tree.structure(jitted) == jax.tree.structure(eager)
         for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_the_decode_loops_take_their_cache_in_place(tiny):
+    """The decode programs donate the prefill's output and hand its cache back: the loop writes the
+    cache where the prefill left it (XLA copied a read-only input cache whole into the loop, 2 x 47 MB
+    a call for SmolLM2 at capacity 2048), and a second call's answer is the same."""
+    import re
+
+    from hsd_jax import api, engine, load_drafter
+
+    prompts = [[1, 2, 3, 4, 5]]
+    api._COMPILED.clear()
+    ar = [generate(tiny, prompts, max_new_tokens=6)[0].token_ids for _ in range(2)]
+    drafter = load_drafter("hsd", target=tiny, random_init=True, seed=1)
+    hsd = [generate(tiny, prompts, max_new_tokens=6, method="hsd", drafter=drafter)[0].token_ids for _ in range(2)]
+    assert ar[0] == ar[1] == hsd[0] == hsd[1]
+    cfg = tiny.config
+    cache = re.compile(rf"f32\[{cfg.num_layers},1,{cfg.num_kv_heads},\d+,{cfg.head_dim}\]\S* copy\(%\w*pre")
+    loops = [exe.as_text() for key, exe in api._COMPILED.items() if key[0] in (engine.ar_decode, engine.spec_decode)]
+    assert len(loops) == 2
+    for text in loops:
+        assert "input_output_alias" in text and not cache.search(text)
