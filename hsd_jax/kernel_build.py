@@ -106,10 +106,15 @@ def _flags() -> tuple[str, ...]:
     return FLAGS + defines()
 
 
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def library_path() -> str:
     """Where the built library for these sources, jaxlib, compiler flags and CPU lives (a shared home
     folder never hands a machine a binary built for another CPU)."""
-    source = b"".join(open(path, "rb").read() for path in SOURCES + HEADERS)
+    source = b"".join(_read(path) for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + repr((_jaxlib().__version__, _flags(), "-shared", platform.machine(),
                                         _cpu_id())).encode()).hexdigest()[:16]
     return os.path.join(cache_dir(), f"hsd_kernels-{key}.so")
