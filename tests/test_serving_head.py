@@ -106,6 +106,34 @@ def test_near_ties_fall_back_to_the_f32_head(form, rows):
     assert np.asarray(ok).all() and (np.asarray(tok) == 40).all()
 
 
+@FORMS
+def test_near_ties_outside_the_candidates_blocks_are_bounded_too(form):
+    """A vocabulary the screen's blocks divide (8192 = 128 blocks of 64): the tokens outside the
+    candidates' blocks are bounded from each block's maxima (`llama._others_bound`). 24 near-equal
+    tokens spread one to a block: 16 become candidates, the other 8 sit in blocks with none, and
+    the screen must not certify; an embedding with one clear winner certifies, the f32 argmax."""
+    target = tiny_target(vocab=8192, hidden=32, tie_word_embeddings=True)
+    cfg = target.config
+    e = 0.05 * np.random.default_rng(0).standard_normal((8192, 32)).astype(np.float32)
+    u = np.random.default_rng(1).standard_normal(32).astype(np.float32)
+    spread = np.arange(24) * 320 + 7                                    # 24 different blocks
+    e[spread] = 3 * u + 1e-4 * np.random.default_rng(2).standard_normal((24, 32)).astype(np.float32)
+    feats = jnp.asarray(u[None] + 0.01 * np.random.default_rng(3).standard_normal((4, 32)), jnp.float32)
+    for winner in (None, 5000):
+        if winner is not None:
+            e[winner] = 4 * u
+        params = screen_params(dict(target.params, embed_tokens={"embedding": jnp.asarray(e)}), form)
+        screen = llama.head_screen(params, cfg, 4)
+        tok, ok = screened(params, cfg, feats, screen, 16)
+        want = f32_argmax(params, cfg, feats)
+        if winner is None:
+            assert not np.asarray(ok).any()
+            assert set(want) <= set(spread)
+        else:
+            assert np.asarray(ok).all() and (np.asarray(tok) == winner).all() and (want == winner).all()
+        np.testing.assert_array_equal(np.asarray(serving_argmax(params, cfg, feats, screen)), want)
+
+
 def test_greedy_decoding_with_the_screen_is_token_identical():
     """A tied tiny target (where the screen runs): ar at batch 2 (screened) equals ar one by one
     (one row: the f32 GEMV, or the kernel's screen where the CPU kernels run), and hsd with and

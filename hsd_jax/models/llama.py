@@ -333,12 +333,36 @@ def screened_argmax(params: dict, cfg: ModelConfig, features: jax.Array, screen:
     cand = screen_candidates(s, candidates)
     gamma = d * 2.0 ** -24 / (1 - d * 2.0 ** -24)
     h_norm, hb_norm, h_err = (jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (h, hbf, h - hbf))
-    bound = SCREEN_SAFETY * (screen.err_norm * h_norm + screen.norm * (h_err + gamma * hb_norm)) + SCREEN_SLACK
+    # b_v = a * err_norm_v + c * norm_v + SCREEN_SLACK >= |s_v - logit_v|, a and c >= 0 per row
+    a, c = SCREEN_SAFETY * h_norm, SCREEN_SAFETY * (h_err + gamma * hb_norm)
     exact = jnp.einsum("nd,nkd->nk", h, params["embed_tokens"]["embedding"][cand].astype(jnp.float32))
     best = jnp.max(exact, -1)
     token = jnp.min(jnp.where(exact == best[:, None], cand, s.shape[-1]), -1).astype(jnp.int32)
-    others = (s + bound).at[jnp.arange(h.shape[0])[:, None], cand].set(-jnp.inf).max(-1)
-    return token, best > others
+    return token, best > _others_bound(s, a, c, screen, cand)
+
+
+def _others_bound(s, a, c, screen: HeadScreen, cand) -> jax.Array:
+    """[n] an upper bound on max_v (s_v + b_v) over the tokens v not in `cand`. Per token over the
+    blocks of SCREEN_BLOCK tokens that hold a candidate; over every other block from its maxima of
+    s, err_norm and norm (a, c >= 0: the bound of each of its tokens is below), so one pass over
+    [n, V / 64] instead of [n, V] (8 rows: ~0.15 ms of a 20 ms hsd round, Zen 4). Looser only where a
+    block's own maxima come from different tokens."""
+    n, v = s.shape
+    rows = jnp.arange(n)[:, None]
+    if v % SCREEN_BLOCK or v < 4 * cand.shape[-1] * SCREEN_BLOCK:
+        bound = a * screen.err_norm + c * screen.norm + SCREEN_SLACK
+        return (s + bound).at[rows, cand].set(-jnp.inf).max(-1)
+    nb = v // SCREEN_BLOCK
+    blk = cand // SCREEN_BLOCK                                                      # [n, k]
+    ids = blk[:, :, None] * SCREEN_BLOCK + jnp.arange(SCREEN_BLOCK)                 # [n, k, 64]
+    near = jnp.take_along_axis(s.reshape(n, nb, SCREEN_BLOCK), blk[:, :, None], axis=1)
+    near = near + a[:, :, None] * screen.err_norm[ids] + c[:, :, None] * screen.norm[ids] + SCREEN_SLACK
+    is_cand = jnp.any(ids[..., None] == cand[:, None, None, :], -1)
+    near = jnp.where(is_cand, -jnp.inf, near).max((1, 2))
+    far = (s.reshape(n, nb, SCREEN_BLOCK).max(-1) + a * screen.err_norm.reshape(nb, SCREEN_BLOCK).max(-1)
+           + c * screen.norm.reshape(nb, SCREEN_BLOCK).max(-1) + SCREEN_SLACK)
+    far = far.at[rows, blk].set(-jnp.inf).max(-1)
+    return jnp.maximum(near, far)
 
 
 def serving_argmax(params: dict, cfg: ModelConfig, features: jax.Array, screen: HeadScreen | None) -> jax.Array:
