@@ -295,6 +295,11 @@ def head_screen(params: dict, cfg: ModelConfig, rows: int) -> HeadScreen | None:
 SCREEN_BLOCK = 64   # the candidates' first stage: the best of every 64 tokens
 
 
+def _screen_blocks(v: int, k: int) -> bool:
+    """Whether a vocabulary of v tokens is screened by blocks for k candidates (whole blocks, enough of them)."""
+    return v % SCREEN_BLOCK == 0 and v >= 4 * k * SCREEN_BLOCK
+
+
 def screen_candidates(s: jax.Array, k: int) -> jax.Array:
     """The ids [n, k] of the k best scores of s [n, V]: the k blocks of SCREEN_BLOCK tokens with the best
     maxima hold them (a block outside them has k better tokens before its best), so top-k runs over the
@@ -304,7 +309,7 @@ def screen_candidates(s: jax.Array, k: int) -> jax.Array:
     n, v = s.shape
     # The barriers keep XLA:CPU's top-k kernel: with its outputs sliced further it becomes a full sort
     # (15x slower). Only on the indices: a barrier on top-k's tuple crashes the SPMD partitioner.
-    if v % SCREEN_BLOCK or v < 4 * k * SCREEN_BLOCK:
+    if not _screen_blocks(v, k):
         return jax.lax.optimization_barrier(jax.lax.top_k(s, k)[1])
     blocks = s.reshape(n, v // SCREEN_BLOCK, SCREEN_BLOCK)
     best = jax.lax.optimization_barrier(jax.lax.top_k(blocks.max(-1), k)[1])                # [n, k]
@@ -349,7 +354,7 @@ def _others_bound(s, a, c, screen: HeadScreen, cand) -> jax.Array:
     block's own maxima come from different tokens."""
     n, v = s.shape
     rows = jnp.arange(n)[:, None]
-    if v % SCREEN_BLOCK or v < 4 * cand.shape[-1] * SCREEN_BLOCK:
+    if not _screen_blocks(v, cand.shape[-1]):
         bound = a * screen.err_norm + c * screen.norm + SCREEN_SLACK
         return (s + bound).at[rows, cand].set(-jnp.inf).max(-1)
     nb = v // SCREEN_BLOCK
