@@ -15,6 +15,7 @@ import functools
 import glob
 import hashlib
 import os
+import pathlib
 import pkgutil
 import platform
 import shutil
@@ -106,15 +107,10 @@ def _flags() -> tuple[str, ...]:
     return FLAGS + defines()
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def library_path() -> str:
     """Where the built library for these sources, jaxlib, compiler flags and CPU lives (a shared home
     folder never hands a machine a binary built for another CPU)."""
-    source = b"".join(_read(path) for path in SOURCES + HEADERS)
+    source = b"".join(pathlib.Path(path).read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + repr((_jaxlib().__version__, _flags(), "-shared", platform.machine(),
                                         _cpu_id())).encode()).hexdigest()[:16]
     return os.path.join(cache_dir(), f"hsd_kernels-{key}.so")
@@ -216,8 +212,10 @@ def cpu_likely() -> bool:
     return not plugins or libtpu_without_tpu()
 
 
-def _accelerator_plugins() -> list[str]:
-    return [m.name for m in pkgutil.iter_modules() if m.name.startswith(ACCELERATOR_PLUGINS)]
+@functools.cache
+def _accelerator_plugins() -> tuple[str, ...]:
+    """The installed accelerator plugins, scanned once a process (~10 ms a scan of sys.path here)."""
+    return tuple(m.name for m in pkgutil.iter_modules() if m.name.startswith(ACCELERATOR_PLUGINS))
 
 
 def libtpu_without_tpu() -> bool:

@@ -2,6 +2,7 @@
 `max_new_tokens`, the persistent compilation cache shared by processes, the dequantized-weights
 cache (rebuilt when corrupt) and `warmup`."""
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -555,11 +556,14 @@ def test_the_early_build_is_skipped_where_jax_may_run_on_an_accelerator(monkeypa
     assert kernel_build.cpu_likely()
     # unset: by the installed plugins; libtpu alone (for `hsd compile`) counts only where a TPU shows
     monkeypatch.delenv("JAX_PLATFORMS")
+    # a fresh cache of the plugin scan for this test (restored after it, with its real scan)
+    monkeypatch.setattr(kernel_build, "_accelerator_plugins", functools.cache(kernel_build._accelerator_plugins.__wrapped__))
     for plugins, tpu, cpu in (((), False, True), (("libtpu",), False, True), (("libtpu",), True, False),
                               (("jax_cuda12_plugin",), False, False), (("libtpu", "jax_plugins"), False, False)):
         monkeypatch.setattr(kernel_build.pkgutil, "iter_modules",
                             lambda p=plugins: [types.SimpleNamespace(name=n) for n in ("numpy", *p)])
         monkeypatch.setattr(kernel_build, "tpu_present", lambda t=tpu: t)
+        kernel_build._accelerator_plugins.cache_clear()
         assert kernel_build.cpu_likely() is cpu, (plugins, tpu)
         assert kernel_build.libtpu_without_tpu() is (plugins == ("libtpu",) and not tpu), (plugins, tpu)
     monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")   # the user's choice stands
