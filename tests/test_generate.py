@@ -1,9 +1,12 @@
 """Jitted AR generate: cache correctness, batching, stopping, sampling and input errors."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hsd_jax import api, engine, load_drafter
 from hsd_jax.api import InputError, generate
 from hsd_jax.config import ConfigError, SamplingConfig
 from hsd_jax.sampling import processed_logits, sample
@@ -147,10 +150,6 @@ def test_the_decode_loops_take_their_cache_in_place(tiny):
     """The decode programs donate the prefill's output and hand its cache back: the loop writes the
     cache where the prefill left it (XLA copied a read-only input cache whole into the loop, 2 x 47 MB
     a call for SmolLM2 at capacity 2048), and a second call's answer is the same."""
-    import re
-
-    from hsd_jax import api, engine, load_drafter
-
     prompts = [[1, 2, 3, 4, 5]]
     api._COMPILED.clear()
     ar = [generate(tiny, prompts, max_new_tokens=6)[0].token_ids for _ in range(2)]

@@ -358,13 +358,14 @@ def _others_bound(s, a, c, screen: HeadScreen, cand) -> jax.Array:
         bound = a * screen.err_norm + c * screen.norm + SCREEN_SLACK
         return (s + bound).at[rows, cand].set(-jnp.inf).max(-1)
     nb = v // SCREEN_BLOCK
+    blocks = s.reshape(n, nb, SCREEN_BLOCK)
     blk = cand // SCREEN_BLOCK                                                      # [n, k]
     ids = blk[:, :, None] * SCREEN_BLOCK + jnp.arange(SCREEN_BLOCK)                 # [n, k, 64]
-    near = jnp.take_along_axis(s.reshape(n, nb, SCREEN_BLOCK), blk[:, :, None], axis=1)
+    near = jnp.take_along_axis(blocks, blk[:, :, None], axis=1)
     near = near + a[:, :, None] * screen.err_norm[ids] + c[:, :, None] * screen.norm[ids] + SCREEN_SLACK
     is_cand = jnp.any(ids[..., None] == cand[:, None, None, :], -1)
     near = jnp.where(is_cand, -jnp.inf, near).max((1, 2))
-    far = (s.reshape(n, nb, SCREEN_BLOCK).max(-1) + a * screen.err_norm.reshape(nb, SCREEN_BLOCK).max(-1)
+    far = (blocks.max(-1) + a * screen.err_norm.reshape(nb, SCREEN_BLOCK).max(-1)
            + c * screen.norm.reshape(nb, SCREEN_BLOCK).max(-1) + SCREEN_SLACK)
     far = far.at[rows, blk].set(-jnp.inf).max(-1)
     return jnp.maximum(near, far)
