@@ -95,11 +95,28 @@ def bf16_row1_ahead(vendor: str) -> int:
     return 0 if vendor == "GenuineIntel" else 256
 
 
+def f32_l2_min_rows(vendor: str) -> int:
+    """The fewest rows whose f32 matmul tiles prefetch into L2 (prefetcht1) rather than at `prefetch_locality`
+    (stacked_matmul.cc; 0: never): 5 off Intel, where with prefetchnta the FMAs of 5+ rows outlasted the
+    lines it fetched (AMD Zen 4, the MLP's matmuls: 5 / 8 / 11 rows 0.87-0.90 / 0.72-0.97 / 0.60-0.85x the
+    time with it, 2-4 rows the same); Intel prefetches into L2 at every row count already."""
+    return 0 if vendor == "GenuineIntel" else 5
+
+
+def pairs_ahead(vendor: str) -> tuple[int, int]:
+    """(pair rows ahead, fewest rows) of the pairs layout's prefetch into L2 (the head screen, stacked_matmul.cc):
+    (64, 4) off Intel (AMD Zen 4: the screen at 8 rows 0.60-0.71x the time with it); none on Intel, where
+    the screen at 2-16 rows took 0.65-0.93x the time without it (a Xeon with AVX-512 BF16)."""
+    return (0, 2) if vendor == "GenuineIntel" else (64, 4)
+
+
 def defines() -> tuple[str, ...]:
     """The preprocessor settings this machine's build gets (part of the library's key)."""
     vendor = _vendor()
+    ahead, rows = pairs_ahead(vendor)
     return (f"-DHSD_PREFETCH_LOCALITY={prefetch_locality(vendor)}", f"-DHSD_PREFETCH_MIN_ROWS={prefetch_min_rows(vendor)}",
-            f"-DHSD_BF16_ROW1_AHEAD={bf16_row1_ahead(vendor)}")
+            f"-DHSD_BF16_ROW1_AHEAD={bf16_row1_ahead(vendor)}", f"-DHSD_F32_L2_MIN_ROWS={f32_l2_min_rows(vendor)}",
+            f"-DHSD_PAIRS_AHEAD={ahead}", f"-DHSD_PAIRS_MIN_ROWS={rows}")
 
 
 def _flags() -> tuple[str, ...]:

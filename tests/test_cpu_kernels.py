@@ -28,7 +28,7 @@ def test_stacked_matmul_equals_the_dot_for_every_row_count_and_layer():
     w = rng.normal(0, 0.05, (3, 64, 96)).astype(np.float32)
     packed = jnp.asarray(cpu_kernels.pack(w))
     run = jax.jit(cpu_kernels.stacked_matmul)
-    for n in (1, 2, 3, 5, 8, 9, 16):
+    for n in (1, 2, 3, 5, 8, 9, 11, 12, 13, 16):
         x = rng.normal(0, 1, (n, 64)).astype(np.float32)
         for layer in range(3):
             np.testing.assert_allclose(np.asarray(run(x, packed, layer)), x @ w[layer], rtol=1e-5, atol=1e-5)
@@ -46,13 +46,27 @@ def _pairs_reference_check(run, rng):
         packed = jnp.asarray(cpu_kernels.pack_pairs(w))
         assert packed.shape == (2, 3, (d + 1) // 2, 64) and packed.dtype == jnp.bfloat16
         wb = np.asarray(jnp.asarray(w).astype(jnp.bfloat16), np.float64)
-        for n in (1, 3, 8, 9, 16):
+        for n in (1, 3, 4, 8, 9, 12, 16):
             x = rng.normal(0, 1, (n, d)).astype(np.float32)
             xb = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64)
             active = rng.random(n) < 0.7
             for layer in range(2):
                 want = np.where(active[:, None], xb @ wb[layer], 0)
                 np.testing.assert_allclose(np.asarray(run(x, packed, layer, active)), want, rtol=1e-5, atol=1e-5)
+
+
+@built
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, "pairs"])
+def test_a_row_comes_out_the_same_bits_at_every_row_count(dtype):
+    """Each row's sums run in one order whatever register tile holds it (8 rows, 12 in a verify-sized
+    forward, the rest of a wider one), prefetched or not: a verify row equals its decode row bit for bit."""
+    rng = np.random.default_rng(11)
+    w = rng.normal(0, 0.05, (2, 96, 64)).astype(np.float32)
+    packed = jnp.asarray(cpu_kernels.pack_pairs(w) if dtype == "pairs" else cpu_kernels.pack(w, dtype))
+    x = rng.normal(0, 1, (40, 96)).astype(np.float32)
+    one = np.stack([np.asarray(cpu_kernels.stacked_matmul(x[i:i + 1], packed, 1))[0] for i in range(40)])
+    for n in (2, 6, 8, 9, 11, 12, 13, 20, 40):
+        np.testing.assert_array_equal(np.asarray(cpu_kernels.stacked_matmul(x[:n], packed, 1)), one[:n])
 
 
 @built
@@ -147,15 +161,18 @@ def test_the_packed_bf16_dot_products_without_avx512_bf16_widen(tmp_path):
 
 
 def test_the_prefetch_level_follows_the_cpu_vendor_and_keys_the_library(monkeypatch):
-    """prefetcht1 from one row on Intel, prefetchnta from two rows elsewhere and one-row bf16 tiles' own
-    prefetch (stacked_matmul.cc): a build for one vendor is never loaded on another's machine."""
+    """prefetcht1 from one row on Intel, prefetchnta from two rows elsewhere (f32 tiles of 5+ rows and the
+    pairs layout's from 4 into L2) and one-row bf16 tiles' own prefetch (stacked_matmul.cc): a build for
+    one vendor is never loaded on another's machine."""
     from hsd_jax import kernel_build
 
     paths = {}
-    for vendor, level, rows, ahead in (("GenuineIntel", 2, 1, 0), ("AuthenticAMD", 0, 2, 256), ("", 0, 2, 256)):
+    for vendor, level, rows, ahead, l2, pairs in (("GenuineIntel", 2, 1, 0, 0, (0, 2)), ("AuthenticAMD", 0, 2, 256, 5, (64, 4)),
+                                                  ("", 0, 2, 256, 5, (64, 4))):
         monkeypatch.setattr(kernel_build, "_vendor", lambda v=vendor: v)
         assert kernel_build.defines() == (f"-DHSD_PREFETCH_LOCALITY={level}", f"-DHSD_PREFETCH_MIN_ROWS={rows}",
-                                          f"-DHSD_BF16_ROW1_AHEAD={ahead}")
+                                          f"-DHSD_BF16_ROW1_AHEAD={ahead}", f"-DHSD_F32_L2_MIN_ROWS={l2}",
+                                          f"-DHSD_PAIRS_AHEAD={pairs[0]}", f"-DHSD_PAIRS_MIN_ROWS={pairs[1]}")
         paths[vendor] = kernel_build.library_path()
     assert paths["GenuineIntel"] != paths["AuthenticAMD"] == paths[""]
 
@@ -163,20 +180,24 @@ def test_the_prefetch_level_follows_the_cpu_vendor_and_keys_the_library(monkeypa
 @built
 def test_the_other_vendors_prefetch_level_gives_the_same_products(tmp_path):
     """The matmul built with the prefetch settings this machine does not use (the other vendor's level and
-    fewest rows; f32 and bf16 tiles, 1-16 rows, the prefetching paths included) equals this machine's build."""
+    fewest rows; f32, bf16 and pairs tiles, 1-16 rows, the prefetching paths included) equals this machine's build."""
     from hsd_jax import kernel_build
 
     other = "AuthenticAMD" if kernel_build._vendor() == "GenuineIntel" else "GenuineIntel"
+    ahead, least = kernel_build.pairs_ahead(other)
     lib = _matmul_built_with(tmp_path / "other_level.so", f"-DHSD_PREFETCH_LOCALITY={kernel_build.prefetch_locality(other)}",
                              f"-DHSD_PREFETCH_MIN_ROWS={kernel_build.prefetch_min_rows(other)}",
-                             f"-DHSD_BF16_ROW1_AHEAD={kernel_build.bf16_row1_ahead(other)}")
+                             f"-DHSD_BF16_ROW1_AHEAD={kernel_build.bf16_row1_ahead(other)}",
+                             f"-DHSD_F32_L2_MIN_ROWS={kernel_build.f32_l2_min_rows(other)}",
+                             f"-DHSD_PAIRS_AHEAD={ahead}", f"-DHSD_PAIRS_MIN_ROWS={least}")
     rng = np.random.default_rng(7)
     w = rng.normal(0, 0.05, (2, 64, 96)).astype(np.float32)
-    for dtype, symbol in ((jnp.float32, "StackedMatmulPacked"), (jnp.bfloat16, "StackedMatmulPackedBF16")):
-        name = f"hsd_test_level_{np.dtype(dtype).name}"
+    for dtype, symbol in ((jnp.float32, "StackedMatmulPacked"), (jnp.bfloat16, "StackedMatmulPackedBF16"),
+                          ("pairs", "StackedMatmulPairsBF16")):
+        name = f"hsd_test_level_{dtype if dtype == 'pairs' else np.dtype(dtype).name}"
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-        packed = jnp.asarray(cpu_kernels.pack(w, dtype))
-        for n in (1, 2, 5, 8, 16):
+        packed = jnp.asarray(cpu_kernels.pack_pairs(w) if dtype == "pairs" else cpu_kernels.pack(w, dtype))
+        for n in (1, 2, 5, 8, 11, 16):
             x = rng.normal(0, 1, (n, 64)).astype(np.float32)
             got = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((n, 96), jnp.float32))(
                 jnp.asarray(x), packed, jnp.asarray([1], jnp.int32), jnp.ones((n,), jnp.int32))

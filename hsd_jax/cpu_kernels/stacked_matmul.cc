@@ -27,7 +27,11 @@ namespace ffi = xla::ffi;
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));
-constexpr int64_t kCols = 32, kRows = 8;
+// Register tiles: up to kRows rows by 32 columns; a forward of at most kWideRows rows (a verify) in one tile of all
+// its rows (2 x 12 accumulators of AVX-512's 32 registers), so each weight is loaded once for all of them: 9-12
+// rows as 8 + the rest re-read each tile from L2 with no memory traffic beside (12 rows 1.55x one row's time,
+// now 1.38x: verify_cost.py). Wider forwards keep 8-row tiles (12-row tiles were 4-10% slower at 64-512 rows).
+constexpr int64_t kCols = 32, kRows = 8, kWideRows = 12;
 #ifndef HSD_AHEAD
 #define HSD_AHEAD 128
 #endif
@@ -51,6 +55,14 @@ constexpr int kLocality = HSD_PREFETCH_LOCALITY;
 // The fewest rows whose tiles prefetch (`kernel_build.prefetch_min_rows`, by CPU vendor): 1 on Intel, where a
 // decode step's matmuls (one row) took 0.70x (bf16) and 0.93x (f32) the time with it; 2 on AMD (one row: no gain).
 constexpr int kPrefetchMinRows = HSD_PREFETCH_MIN_ROWS;
+#ifndef HSD_F32_L2_MIN_ROWS
+#define HSD_F32_L2_MIN_ROWS 0
+#endif
+// The fewest rows whose f32 tiles prefetch into L2 (prefetcht1) whatever kLocality says; 0: none
+// (`kernel_build.f32_l2_min_rows`, by CPU vendor). On an AMD Zen 4 VM (in one process, 30 layers' weights), the
+// MLP's matmuls at 5 / 8 / 11 rows took 0.87-0.90 / 0.72-0.97 / 0.60-0.85x the time with prefetcht1, 2-4 rows the
+// same: the FMAs of 5+ rows outlast a line fetched with prefetchnta.
+constexpr int kF32L2MinRows = HSD_F32_L2_MIN_ROWS;
 #ifndef HSD_BF16_ROW1_AHEAD
 #define HSD_BF16_ROW1_AHEAD 0
 #endif
@@ -61,9 +73,15 @@ constexpr int64_t kBF16Row1Ahead = HSD_BF16_ROW1_AHEAD;
 #ifndef HSD_PAIRS_AHEAD
 #define HSD_PAIRS_AHEAD 0
 #endif
-// The pairs layout's, in pair rows (128 bytes each): none. On an Intel Xeon with AVX-512 BF16 (2 cores), the
-// head screen at 2-16 rows took 0.65-0.93x the time without it (benchmarks/verify_cost.py).
+#ifndef HSD_PAIRS_MIN_ROWS
+#define HSD_PAIRS_MIN_ROWS 2
+#endif
+// The pairs layout's (the head screen), in pair rows of 128 bytes (both lines, into L2), from kPairsMinRows rows
+// (`kernel_build.pairs_ahead`, by CPU vendor): 64 (8 KB) from 4 rows on AMD, where the screen at 4 / 8 / 11 rows
+// took 0.85 / 0.60-0.71 / 0.60-0.70x the time with it (Zen 4 VM, in one process); none on Intel, where on a Xeon with
+// AVX-512 BF16 (2 cores) the screen at 2-16 rows took 0.65-0.93x the time without it (benchmarks/verify_cost.py).
 constexpr int64_t kPairsAhead = HSD_PAIRS_AHEAD;
+constexpr int kPairsMinRows = HSD_PAIRS_MIN_ROWS;
 
 // 32 consecutive weights as two f32 vectors (columns 0-15 and 16-31 of the tile): f32 as stored; bf16 widened
 // exactly, stored with the two halves interleaved (columns 0, 16, 1, 17, ...: `cpu_kernels.pack`) so that each
@@ -92,12 +110,13 @@ static void Tile(const float* X, const T* W, int64_t ws, float* Y, int64_t d, in
     if (sizeof(T) == 2 && R == 1 && kBF16Row1Ahead > 0) __builtin_prefetch(W + (k + kBF16Row1Ahead) * ws, 0, 3);
     else if (sizeof(T) == 2 && R >= kPrefetchMinRows && kAhead > 0) __builtin_prefetch(W + (k + kAhead) * ws, 0, kLocality);
     if (sizeof(T) == 4 && R >= kPrefetchMinRows && kF32Ahead > 0) {
-      __builtin_prefetch(W + (k + kF32Ahead) * ws, 0, kLocality);
-      __builtin_prefetch(W + (k + kF32Ahead) * ws + 16, 0, kLocality);
+      constexpr int kLevel = kF32L2MinRows > 0 && R >= kF32L2MinRows ? 2 : kLocality;
+      __builtin_prefetch(W + (k + kF32Ahead) * ws, 0, kLevel);
+      __builtin_prefetch(W + (k + kF32Ahead) * ws + 16, 0, kLevel);
     }
     v16 w0, w1;
     LoadW(W + k * ws, w0, w1);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const float a = X[(r0 + r) * d + k];
       acc[r][0] += a * w0;
@@ -119,11 +138,14 @@ template <int R>
 static void TilePairs(const uint32_t* XP, const uint16_t* W, float* Y, int64_t dp, int64_t f, int64_t r0, int64_t j) {
   v16 acc[R][2] = {};
   for (int64_t p = 0; p < dp; ++p) {
-    if (R > 1 && kPairsAhead > 0) __builtin_prefetch(W + (p + kPairsAhead) * 2 * kCols, 0, kLocality);
+    if (R >= kPairsMinRows && kPairsAhead > 0) {
+      __builtin_prefetch(W + (p + kPairsAhead) * 2 * kCols, 0, 2);
+      __builtin_prefetch(W + (p + kPairsAhead) * 2 * kCols + kCols, 0, 2);
+    }
     const uint16_t* wp = W + p * 2 * kCols;
 #if defined(__AVX512BF16__)
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + kCols);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(XP[(r0 + r) * dp + p]));
       acc[r][0] = (v16)_mm512_dpbf16_ps((__m512)acc[r][0], w0, xb);
@@ -133,7 +155,7 @@ static void TilePairs(const uint32_t* XP, const uint16_t* W, float* Y, int64_t d
     v16 e0, o0, e1, o1;
     LoadW(wp, e0, o0);
     LoadW(wp + kCols, e1, o1);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const uint32_t u = XP[(r0 + r) * dp + p];
       const uint32_t lo = u << 16, hi = u & 0xFFFF0000u;
@@ -167,7 +189,7 @@ static void TilePackedDot(const uint32_t* XP, const uint16_t* W, float* Y, int64
     if (2 * p + 1 < d) __builtin_memcpy(&b, W + (2 * p + 1) * kCols, sizeof(vu16));
     const vu16 lo = (a & 0xFFFFu) | (b << 16), hi = (a >> 16) | (b & 0xFFFF0000u);   // columns 0-15, 16-31
     const __m512bh w0 = (__m512bh)(__m512i)lo, w1 = (__m512bh)(__m512i)hi;
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(XP[(r0 + r) * dp + p]));
       acc[r][0] = (v16)_mm512_dpbf16_ps((__m512)acc[r][0], w0, xb);
@@ -237,10 +259,10 @@ static inline uint32_t ToBF16(float v) {
   return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
-// Calls fn(std::integral_constant<int, R>) for a register tile of R = min(8, n) rows.
+// Calls fn(std::integral_constant<int, R>) for a register tile of R = min(kWideRows, n) rows.
 template <typename F>
 static inline void ForRows(int64_t n, const F& fn) {
-  switch (std::min(kRows, n)) {
+  switch (std::min(kWideRows, n)) {
     case 1: fn(std::integral_constant<int, 1>()); break;
     case 2: fn(std::integral_constant<int, 2>()); break;
     case 3: fn(std::integral_constant<int, 3>()); break;
@@ -248,7 +270,11 @@ static inline void ForRows(int64_t n, const F& fn) {
     case 5: fn(std::integral_constant<int, 5>()); break;
     case 6: fn(std::integral_constant<int, 6>()); break;
     case 7: fn(std::integral_constant<int, 7>()); break;
-    default: fn(std::integral_constant<int, 8>()); break;
+    case 8: fn(std::integral_constant<int, 8>()); break;
+    case 9: fn(std::integral_constant<int, 9>()); break;
+    case 10: fn(std::integral_constant<int, 10>()); break;
+    case 11: fn(std::integral_constant<int, 11>()); break;
+    default: fn(std::integral_constant<int, 12>()); break;
   }
 }
 
@@ -301,9 +327,10 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   for (int64_t r = 0; pair_inputs && r < n; ++r)
     for (int64_t p = 0; p < dp; ++p)
       xp[r * dp + p] = ToBF16(X[r * d + 2 * p]) | (2 * p + 1 < d ? ToBF16(X[r * d + 2 * p + 1]) << 16 : 0u);
-  // Register tiles of up to 8 rows x 32 columns; each w tile (d x 32) is streamed from memory once.
+  // Register tiles of up to 8 rows (12 in a verify-sized forward) x 32 columns; each w tile (d x 32) is
+  // streamed from memory once.
   // The column tiles are split over XLA's intra-op thread pool (parallel.h).
-  const int64_t tiles = f / kCols;
+  const int64_t tiles = f / kCols, step = n <= kWideRows ? kWideRows : kRows;
 #ifdef HSD_AMX
   const bool amx = kL == kPairs && dp % 16 == 0 && n > 0 && AmxGranted();
 #endif
@@ -319,8 +346,8 @@ static ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 #endif
     for (int64_t t = t0; t < t1; ++t) {
       const T* tile = kPackedTiles ? W + t * tile_size : W + t * kCols;
-      for (int64_t r0 = 0; r0 < n; r0 += kRows) {
-        ForRows(n - r0, [&](auto rows) {
+      for (int64_t r0 = 0; r0 < n; r0 += step) {
+        ForRows(std::min(step, n - r0), [&](auto rows) {
           if constexpr (kL == kPairs) {
             TilePairs<decltype(rows)::value>(xp.data(), tile, Y, dp, f, r0, t * kCols);
             return;
