@@ -211,7 +211,7 @@ def test_tree_attention_equals_the_reference(head_dim, hq, hkv):
     to the last slot, one with new tokens past the capacity), on layer 1 of a 3-layer stack."""
     rng = np.random.default_rng(head_dim)
     b, s, layers = 3, 40, 3
-    run = jax.jit(cpu_kernels.tree_attention, static_argnames="scale")
+    run = jax.jit(cpu_kernels.tree_attention, static_argnames=("scale", "token_major"))
     for n in (1, 2, 5, 17):
         parents = np.stack([np.arange(n) - 1, rng.integers(-1, np.arange(n)), np.maximum(np.arange(n) - 2, -1)])
         parents = jnp.asarray(parents, jnp.int32)
@@ -229,6 +229,10 @@ def test_tree_attention_equals_the_reference(head_dim, hq, hkv):
         part = run(q, k, v, 1, lengths, ancestor_mask(parents) & active[:, :, None], scale=head_dim ** -0.5)
         keep = np.asarray(active)[:, None, :, None]
         np.testing.assert_allclose(np.asarray(part), np.where(keep, np.asarray(got), 0), rtol=1e-6, atol=1e-6)
+        # token-major q and output ([B, N, Hq, Dh], as the layers call it): the same bits, transposed
+        for anc, ref in ((ancestor_mask(parents), got), (ancestor_mask(parents) & active[:, :, None], part)):
+            tm = run(q.transpose(0, 2, 1, 3), k, v, 1, lengths, anc, scale=head_dim ** -0.5, token_major=True)
+            np.testing.assert_array_equal(np.asarray(tm), np.asarray(ref).transpose(0, 2, 1, 3))
 
 
 def kernel_calls(texts) -> int:

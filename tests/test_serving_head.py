@@ -11,7 +11,7 @@ from hsd_jax.cache import init_cache
 from hsd_jax.models import llama
 from tests.helpers import tiny_target
 
-screened = jax.jit(llama.screened_argmax, static_argnums=(1, 4))
+screened = jax.jit(llama.screened_argmax, static_argnums=(1, 4, 5))
 serving_argmax = jax.jit(llama.serving_argmax, static_argnums=1)
 
 
@@ -131,6 +131,36 @@ def test_near_ties_outside_the_candidates_blocks_are_bounded_too(form):
             assert set(want) <= set(spread)
         else:
             assert np.asarray(ok).all() and (np.asarray(tok) == winner).all() and (want == winner).all()
+        np.testing.assert_array_equal(np.asarray(serving_argmax(params, cfg, feats, screen)), want)
+
+
+@FORMS
+def test_rows_the_blocks_miss_certify_token_by_token(form):
+    """A block's bound takes its maxima of s and of the norms from different tokens: 20 runners-up
+    (0.8x the winner's logit) one to a block, each beside a large-norm token orthogonal to the
+    features, so the 5 blocks without a candidate bound above the winner and no row certifies by
+    blocks; token by token every row does (the runner-up's and the big token's own bounds are both
+    below), and `serving_argmax` answers the f32 argmax from there. Larger norms fail both: the f32
+    head then answers."""
+    target = tiny_target(vocab=8192, hidden=32, tie_word_embeddings=True)
+    cfg = target.config
+    u = np.random.default_rng(1).standard_normal(32).astype(np.float32)
+    perp = np.random.default_rng(4).standard_normal(32).astype(np.float32)
+    perp = perp - perp @ u / (u @ u) * u
+    feats = jnp.asarray(u[None] + 0.01 * np.random.default_rng(3).standard_normal((4, 32)), jnp.float32)
+    runners = np.arange(20) * 320 + 7
+    for scale, by_token in ((1000, True), (5000, False)):
+        e = 0.05 * np.random.default_rng(0).standard_normal((8192, 32)).astype(np.float32)
+        e[5000], e[runners] = 4 * u, 3.2 * u
+        e[runners + 1] = scale * perp / np.linalg.norm(perp)
+        params = screen_params(dict(target.params, embed_tokens={"embedding": jnp.asarray(e)}), form)
+        screen = llama.head_screen(params, cfg, 4)
+        _, ok = screened(params, cfg, feats, screen, 16, False)
+        tok, ok_token = screened(params, cfg, feats, screen, 16, True)
+        assert not np.asarray(ok).any()
+        assert np.asarray(ok_token).all() if by_token else not np.asarray(ok_token).any()
+        want = f32_argmax(params, cfg, feats)
+        assert (np.asarray(tok)[np.asarray(ok_token)] == want[np.asarray(ok_token)]).all()
         np.testing.assert_array_equal(np.asarray(serving_argmax(params, cfg, feats, screen)), want)
 
 

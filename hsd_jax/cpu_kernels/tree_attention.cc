@@ -110,8 +110,8 @@ static inline v16 Reduce16(const v16* acc) {
 }
 
 // Attention of a kv head's query rows over its K, V [s, dh] (dh = 16 VECS): the `count` rows from `first` of its
-// group's `reps` query heads (n tree rows each, row i being tree row i % n; q and out point at the group's first
-// row). Scores of slots [0, end) 16 at a time, hidden ones set to -inf, softmax numerators per row, then the
+// group's query heads (n tree rows each: row i is tree row i % n of the group's head i / n, at offset
+// (i % n) * st + (i / n) * sg from q and out, which point at the group's first row). Scores of slots [0, end) 16 at a time, hidden ones set to -inf, softmax numerators per row, then the
 // weighted sum of V with up to 4 rows' outputs in registers. Slots past `end` are never read (the last block
 // repeats slot end - 1). The denominator is summed slot by slot in that same loop: its visible terms come in slot
 // order wherever the row's slots lie (hidden ones add exact zeros), so a row of a tree verify gives, bit for bit,
@@ -179,9 +179,10 @@ static inline void Weighted(const float* const* e, const T* V, int64_t end, int 
 template <int VECS, typename T>
 static void Head(const float* q, const T* K, const T* V, const int32_t* anc, const int32_t* seen, int64_t n,
                  int64_t first, int64_t count, int64_t len, int64_t end, float scale, float* out, Scratch& scratch,
-                 int vecs) {
+                 int vecs, int64_t st, int64_t sg) {
   const int nv = VECS ? VECS : vecs;
   const int64_t dh = 16 * nv;
+  const auto at = [&](int64_t i) { return (i % n) * st + (i / n) * sg; };
   const int64_t stride = (end + 15) / 16 * 16;
   std::vector<float>& buf = scratch.sc;
   std::vector<int64_t>& live = scratch.live;
@@ -192,7 +193,7 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, con
     if (anc[(i % n) * n + i % n]) {
       live.push_back(i);
     } else {
-      std::fill_n(out + i * dh, dh, 0.0f);
+      std::fill_n(out + at(i), dh, 0.0f);
     }
   }
   // row i sees no slot from its_end(i) on: later blocks are skipped (numerators 0 there), as is the rest of a
@@ -213,7 +214,7 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, con
         std::fill_n(sc + (i - first) * stride + j0, 16, 0.0f);
         continue;
       }
-      v16 scores = Scores16<VECS, T>(q + i * dh, kb, vecs) * Splat(scale);
+      v16 scores = Scores16<VECS, T>(q + at(i), kb, vecs) * Splat(scale);
       if (j0 + 16 > len) {                    // the block holds new tokens (or slots past end): hide the others
         for (int jj = 0; jj < 16; ++jj) {
           const int64_t j = j0 + jj;
@@ -249,7 +250,7 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, con
     int64_t upto = 0;                         // the rows' last seen slot + 1: numerators past a row's own are 0
     for (int r = 0; r < rows; ++r) {
       e[r] = sc + (live[i0 + r] - first) * stride;
-      o[r] = out + live[i0 + r] * dh;
+      o[r] = out + at(live[i0 + r]);
       upto = std::max(upto, its_end(live[i0 + r]));
     }
     if (rows == 4) Weighted<4, VECS, T>(e, V, upto, vecs, o);
@@ -264,10 +265,10 @@ static void Head(const float* q, const T* K, const T* V, const int32_t* anc, con
 template <typename T>
 static void AnyHead(const float* q, const T* K, const T* V, const int32_t* anc, const int32_t* seen, int64_t n,
                     int64_t first, int64_t count, int64_t len, int64_t end, float scale, float* out, Scratch& scratch,
-                    int vecs) {
-  if (vecs == 4) return Head<4, T>(q, K, V, anc, seen, n, first, count, len, end, scale, out, scratch, vecs);
-  if (vecs == 8) return Head<8, T>(q, K, V, anc, seen, n, first, count, len, end, scale, out, scratch, vecs);
-  Head<0, T>(q, K, V, anc, seen, n, first, count, len, end, scale, out, scratch, vecs);
+                    int vecs, int64_t st, int64_t sg) {
+  if (vecs == 4) return Head<4, T>(q, K, V, anc, seen, n, first, count, len, end, scale, out, scratch, vecs, st, sg);
+  if (vecs == 8) return Head<8, T>(q, K, V, anc, seen, n, first, count, len, end, scale, out, scratch, vecs, st, sg);
+  Head<0, T>(q, K, V, anc, seen, n, first, count, len, end, scale, out, scratch, vecs, st, sg);
 }
 constexpr int64_t kGroupRows = 8;    // a kv group with at most this many rows is one task (below)
 constexpr int64_t kChunkRows = 24;   // the most rows of a task when a group is split
@@ -276,15 +277,20 @@ constexpr int64_t kChunkRows = 24;   // the most rows of a task when a group is 
 template <ffi::DataType kKV, typename T>
 static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kKV> k,
                                     ffi::Buffer<kKV> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
-                                    ffi::Buffer<ffi::S32> ancestors, float scale, ffi::ResultBuffer<ffi::F32> out) {
-  // q [B, Hq, N, Dh]; k, v [L, B, Hkv, S, Dh]; lengths [B]; ancestors [B, N, N] (nonzero: a is i's ancestor or i)
+                                    ffi::Buffer<ffi::S32> ancestors, float scale, int32_t token_major,
+                                    ffi::ResultBuffer<ffi::F32> out) {
+  // q and out [B, Hq, N, Dh], or [B, N, Hq, Dh] with token_major (as the projections make them: no transposes
+  // around the call); k, v [L, B, Hkv, S, Dh]; lengths [B]; ancestors [B, N, N] (nonzero: a is i's ancestor or i)
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto ad = ancestors.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || ad.size() != 3 || kd[1] != qd[0] || kd[4] != qd[3] || qd[3] % 16 != 0 || qd[3] > kMaxHeadDim ||
-      qd[1] % kd[2] != 0 || ad[0] != qd[0] || ad[1] != qd[2] || ad[2] != qd[2] || lengths.element_count() != qd[0])
+  if (qd.size() != 4 || kd.size() != 5 || ad.size() != 3)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "tree_attention: bad shapes");
-  const int64_t b = qd[0], hq = qd[1], n = qd[2], dh = qd[3], hkv = kd[2], s = kd[3], group = hq / hkv;
+  const int64_t b = qd[0], hq = token_major ? qd[2] : qd[1], n = token_major ? qd[1] : qd[2], dh = qd[3];
+  if (kd[1] != b || kd[4] != dh || dh % 16 != 0 || dh > kMaxHeadDim || hq % kd[2] != 0 || ad[0] != b || ad[1] != n ||
+      ad[2] != n || lengths.element_count() != b)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "tree_attention: bad shapes");
+  const int64_t hkv = kd[2], s = kd[3], group = hq / hkv;
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= kd[0]) return ffi::Error(ffi::ErrorCode::kOutOfRange, "tree_attention: layer out of range");
   const float* Q = q.typed_data();
@@ -317,10 +323,11 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     thread_local Scratch sc;
     const int64_t c = t % chunks, bh = t / chunks, bi = bh / hkv;
     const int64_t len = std::clamp<int64_t>(lens[bi], 0, s), end = std::min<int64_t>(len + n, s);
-    const int64_t kv = bh * s * dh, base = bh * rows * dh;
+    const int64_t kv = bh * s * dh;
+    const int64_t base = token_major ? (bi * n * hq + bh % hkv * group) * dh : bh * rows * dh;
     const int64_t first = c * rows / chunks, count = (c + 1) * rows / chunks - first;
     AnyHead<T>(Q + base, Kl + kv, Vl + kv, anc + bi * n * n, seen.data() + bi * n, n, first, count, len, end, scale,
-               O + base, sc, dh / 16);
+               O + base, sc, dh / 16, token_major ? hq * dh : dh, token_major ? dh : n * dh);
   });
   return ffi::Error::Success();
 }
@@ -335,6 +342,7 @@ static ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
       .Arg<ffi::Buffer<ffi::S32>>()    \
       .Arg<ffi::Buffer<ffi::S32>>()    \
       .Attr<float>("scale")            \
+      .Attr<int32_t>("token_major")    \
       .Ret<ffi::Buffer<ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeAttention, (TreeAttentionImpl<ffi::F32, float>), HSD_ATTENTION_BIND(ffi::F32));

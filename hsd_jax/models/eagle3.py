@@ -169,7 +169,7 @@ def fuse(params: dict, aux: jax.Array) -> jax.Array:
 
 
 def project(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, positions: jax.Array):
-    """Rotated q [B, Hq, T, Dh] and k, v [B, T, Hkv, Dh] of x = [input_layernorm(emb); hidden_norm(hidden)]."""
+    """Rotated q [B, T, Hq, Dh] and k, v [B, T, Hkv, Dh] of x = [input_layernorm(emb); hidden_norm(hidden)]."""
     p = params["midlayer"]
     dt = p["q_proj"]["kernel"].dtype
     b, t, _ = hidden.shape
@@ -180,17 +180,16 @@ def project(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, 
     q, k = heads("q_proj", cfg.num_heads), heads("k_proj", cfg.num_kv_heads)
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"]["scale"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"]["scale"], cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv).transpose(0, 2, 1, 3)
-    return q, apply_rope(k, positions, inv), heads("v_proj", cfg.num_kv_heads)
+    return apply_rope(q, positions, inv), apply_rope(k, positions, inv), heads("v_proj", cfg.num_kv_heads)
 
 
 def finish(params: dict, cfg: Eagle3Config, hidden: jax.Array, attn: jax.Array) -> jax.Array:
-    """h = hidden + o_proj(attn [B, Hq, T, Dh]), then the residual MLP: the layer's output [B, T, H]."""
+    """h = hidden + o_proj(attn [B, T, Hq, Dh]), then the residual MLP: the layer's output [B, T, H]."""
     p = params["midlayer"]
     dt = p["q_proj"]["kernel"].dtype
     b, t, _ = hidden.shape
     dense = lambda name, x, w: _dense(params, name, x, w["kernel"])
-    h = hidden.astype(dt) + dense("o_proj", attn.transpose(0, 2, 1, 3).reshape(b, t, -1).astype(dt), p["o_proj"])
+    h = hidden.astype(dt) + dense("o_proj", attn.reshape(b, t, -1).astype(dt), p["o_proj"])
     m = p["mlp"]
     y = rms_norm(h, p["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
     return h + dense("down_proj", jax.nn.silu(dense("gate_proj", y, m["gate_proj"])) * dense("up_proj", y, m["up_proj"]),
@@ -211,11 +210,13 @@ def layer(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, po
     if "packed_kernels" in params and b * t <= cpu_kernels.MAX_ROWS and cpu_kernels.attention_supported(ck.dtype, cfg.head_dim):
         # the CPU kernel reads the committed slots and the row's ancestors only (XLA's scores the whole capacity)
         anc = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)) if parents is None else ancestor_mask(parents)
-        attn = cpu_kernels.tree_attention(q, ck, cv, 0, cache.lengths, anc, 1.0 / float(np.sqrt(cfg.head_dim)))
+        attn = cpu_kernels.tree_attention(q, ck, cv, 0, cache.lengths, anc, 1.0 / float(np.sqrt(cfg.head_dim)),
+                                          token_major=True)
     elif parents is None:
-        attn = causal_attention(q, ck[0], cv[0], cache.lengths)
+        attn = causal_attention(q.transpose(0, 2, 1, 3), ck[0], cv[0], cache.lengths).transpose(0, 2, 1, 3)
     else:
-        attn = tree_attention(q, ck[0], cv[0], cache.lengths, parents, impl="reference")
+        attn = tree_attention(q.transpose(0, 2, 1, 3), ck[0], cv[0], cache.lengths, parents,
+                              impl="reference").transpose(0, 2, 1, 3)
     return finish(params, cfg, hidden, attn), cache.replace(k=ck, v=cv)
 
 

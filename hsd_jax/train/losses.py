@@ -38,8 +38,10 @@ def train_labels(batch: Batch) -> jax.Array:
 
 
 def multi_source_attention(q, ks, vs, step: int):
-    """q [B, Hq, W, Dh]; ks, vs: per source step s < step, [B, W, Hkv, Dh]. Causal."""
-    b, hq, w, dh = q.shape
+    """q [B, W, Hq, Dh] (as `DecoderLayer.project` makes it; the output too); ks, vs: per source step
+    s < step, [B, W, Hkv, Dh]. Causal."""
+    b, w, hq, dh = q.shape
+    q = q.transpose(0, 2, 1, 3)
     hkv = ks[0].shape[2]
     qg = q.reshape(b, hkv, hq // hkv, w, dh).astype(jnp.float32) / jnp.sqrt(jnp.float32(dh))
     qi = jnp.arange(w)[:, None]
@@ -54,7 +56,7 @@ def multi_source_attention(q, ks, vs, step: int):
     out = jnp.zeros((b, hkv, hq // hkv, w, dh), jnp.float32)
     for s, v in enumerate(vs):
         out = out + jnp.einsum("bhgqr,brhd->bhgqd", jnp.where(source == s, probs, 0.0), v.astype(jnp.float32))
-    return out.reshape(b, hq, w, dh)
+    return out.reshape(b, hq, w, dh).transpose(0, 2, 1, 3)
 
 
 def _shift_right(x, first):
