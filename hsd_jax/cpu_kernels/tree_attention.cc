@@ -111,12 +111,13 @@ static inline v16 Reduce16(const v16* acc) {
 
 // Attention of a kv head's query rows over its K, V [s, dh] (dh = 16 VECS): the `count` rows from `first` of its
 // group's query heads (n tree rows each: row i is tree row i % n of the group's head i / n, at offset
-// (i % n) * st + (i / n) * sg from q and out, which point at the group's first row). Scores of slots [0, end) 16 at a time, hidden ones set to -inf, softmax numerators per row, then the
-// weighted sum of V with up to 4 rows' outputs in registers. Slots past `end` are never read (the last block
-// repeats slot end - 1). The denominator is summed slot by slot in that same loop: its visible terms come in slot
-// order wherever the row's slots lie (hidden ones add exact zeros), so a row of a tree verify gives, bit for bit,
-// what the decode step of its accepted path gives (a bf16 model rounds any difference up to a bf16 ulp: tokens
-// would differ). How a task splits its rows never changes a row's arithmetic.
+// (i % n) * st + (i / n) * sg from q and out, which point at the group's first row). Scores of slots
+// [0, end) 16 at a time, hidden ones set to -inf, softmax numerators per row, then the weighted sum of V with up to
+// 4 rows' outputs in registers. Slots past `end` are never read (the last block repeats slot end - 1).
+// The denominator is summed slot by slot in that same
+// loop: its visible terms come in slot order wherever the row's slots lie (hidden ones add exact zeros), so a row of a
+// tree verify gives, bit for bit, what the decode step of its accepted path gives (a bf16 model rounds any difference
+// up to a bf16 ulp: tokens would differ). How a task splits its rows never changes a row's arithmetic.
 // K and V are prefetched a few KB ahead: the hardware prefetcher alone left the FMAs waiting on DRAM (a 1536-slot,
 // 8-row task 98 us from memory, 41 us from L2).
 constexpr int64_t kMaxHeadDim = 128;

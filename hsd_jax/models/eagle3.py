@@ -200,8 +200,8 @@ def layer(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, po
           cache: KVCache, parents: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """The decoder layer over hidden [B, T, H] (fused features or its own earlier outputs) and token
     embeddings emb [B, T, H]; writes its K/V at slots lengths + i. Returns (h [B, T, H], cache)."""
-    from hsd_jax.models.llama import causal_attention
-    from pallas_kernels.tree_attention import ancestor_mask, tree_attention
+    from hsd_jax.models.llama import xla_attention
+    from pallas_kernels.tree_attention import ancestor_mask
 
     q, k, v = project(params, cfg, hidden, emb, positions)
     ck = write_layer(cache.k, 0, k, cache.lengths)
@@ -212,11 +212,8 @@ def layer(params: dict, cfg: Eagle3Config, hidden: jax.Array, emb: jax.Array, po
         anc = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)) if parents is None else ancestor_mask(parents)
         attn = cpu_kernels.tree_attention(q, ck, cv, 0, cache.lengths, anc, 1.0 / float(np.sqrt(cfg.head_dim)),
                                           token_major=True)
-    elif parents is None:
-        attn = causal_attention(q.transpose(0, 2, 1, 3), ck[0], cv[0], cache.lengths).transpose(0, 2, 1, 3)
     else:
-        attn = tree_attention(q.transpose(0, 2, 1, 3), ck[0], cv[0], cache.lengths, parents,
-                              impl="reference").transpose(0, 2, 1, 3)
+        attn = xla_attention(q, ck[0], cv[0], cache.lengths, parents, "reference")
     return finish(params, cfg, hidden, attn), cache.replace(k=ck, v=cv)
 
 

@@ -58,6 +58,17 @@ def causal_attention(q, k_cache, v_cache, lengths):
     return out.reshape(b, hq, t, dh).astype(q.dtype)
 
 
+def xla_attention(q, k_cache, v_cache, lengths, parents, impl: str):
+    """`causal_attention` (parents None) or `tree_attention` (`impl`) over token-major q [B, T, Hq, Dh],
+    the layers' layout, output likewise: both compute head-major, so q goes in and out transposed."""
+    qh = q.transpose(0, 2, 1, 3)
+    if parents is None:
+        out = causal_attention(qh, k_cache, v_cache, lengths)
+    else:
+        out = tree_attention(qh, k_cache, v_cache, lengths, parents, impl=resolve_attention_impl(impl))
+    return out.transpose(0, 2, 1, 3)
+
+
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
 
@@ -106,13 +117,8 @@ class DecoderLayer(nn.Module):
             attn = cpu_kernels.tree_attention(q, cache_k, cache_v, layer, lengths, ancestors,
                                               1.0 / math.sqrt(self.cfg.head_dim), token_major=True).astype(q.dtype)
             return self.output(x, attn), cache_k, cache_v
-        k_l, v_l, qh = cache_k[layer], cache_v[layer], q.transpose(0, 2, 1, 3)
-        if parents is None:
-            attn = causal_attention(qh, k_l, v_l, lengths)
-        else:
-            attn = tree_attention(qh, k_l, v_l, lengths, parents,
-                                  impl=resolve_attention_impl(self.cfg.attention_impl))
-        return self.output(x, attn.transpose(0, 2, 1, 3)), cache_k, cache_v
+        attn = xla_attention(q, cache_k[layer], cache_v[layer], lengths, parents, self.cfg.attention_impl)
+        return self.output(x, attn), cache_k, cache_v
 
 
 @init_program("cfg", "init_std")
